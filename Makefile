@@ -1,0 +1,46 @@
+# Two commands on a fresh machine with only Python 3.10+:
+#   make train   – builds .venv, then runs the main job on the embedded default
+#   make test    – builds .venv, then runs the fast CPU test tier
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv train test test-all lint typecheck bench-store bench-algos bench-pipeline clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 first keeps the CPU build; the rest resolves against it.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0 numpy
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+train: venv
+	$(VENV)/bin/ppoflow train $(ARGS)
+
+test: venv
+	$(PY) -m pytest -q $(ARGS)
+
+test-all: venv
+	$(PY) -m pytest -q -m '' $(ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: venv
+	$(VENV)/bin/mypy --strict storage tasks/advantage/core.py tasks/update/core.py tasks/score/core.py tasks/kl.py tasks/rewards.py
+
+bench-store: venv
+	$(PY) benchmarks/store.py
+
+bench-algos: venv
+	$(PY) benchmarks/algos.py
+
+bench-pipeline: venv
+	$(PY) benchmarks/pipeline.py
+
+clean:
+	rm -rf $(VENV) runs .ppoflow

@@ -1,0 +1,91 @@
+"""``ppoflow``: the command line.
+
+    ppoflow train [--config configs/grpo.yaml] [key=value ...]   # the training flow (embedded default without args)
+    ppoflow plot RUN_DIR                                          # reward/KL curves → RUN_DIR/curves.png
+    ppoflow deploy [--prefect-yaml PATH]                          # register deployments with a Prefect server
+    ppoflow serve [--name NAME ...]                               # serve deployments without a work pool
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _quiet_defaults() -> None:
+    for key, value in {
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from infra.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"ppoflow: {exc}", file=sys.stderr)
+        return 2
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    from flows.train import ppo_train
+
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        summary = ppo_train(cfg)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from flows.plot import plot_run
+
+    print(plot_run(Path(args.run_dir)))
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from flows.deploy import deploy_all
+
+    deploy_all(Path(args.prefect_yaml))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from flows.deploy import serve_all
+
+    serve_all(names=args.name or None)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_defaults()
+    parser = argparse.ArgumentParser(prog="ppoflow", description="PPO-family RL as Prefect pipelines over Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run the training flow")
+    train.add_argument("--config", type=Path, default=None, help="YAML config (default: the embedded main job)")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=20")
+    train.set_defaults(fn=_train)
+    plot = sub.add_parser("plot", help="plot reward and KL curves of a run")
+    plot.add_argument("run_dir")
+    plot.set_defaults(fn=_plot)
+    deploy = sub.add_parser("deploy", help="register the deployments in prefect.yaml")
+    deploy.add_argument("--prefect-yaml", default="prefect.yaml")
+    deploy.set_defaults(fn=_deploy)
+    serve = sub.add_parser("serve", help="serve the deployments (no work pool needed)")
+    serve.add_argument("--name", action="append", help="deployment name(s) to serve (default: all)")
+    serve.set_defaults(fn=_serve)
+    args = parser.parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

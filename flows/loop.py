@@ -1,0 +1,284 @@
+"""The iteration loop of the training flow: submit prompts → generate → score → logprobs →
+advantage → update, one Prefect task per stage per step, with checkpoints and reporting.
+
+How the three modes differ here:
+- ``sync``: each step submits its prompts and generates them with the current policy.
+- ``colocate_async``: when a step finds no responses, the rollout wakes once and generates this
+  step and the next ``max_staleness`` steps (prompts submitted ahead), saving wake/sleep cycles;
+  a batch generated ``j`` steps ahead is ``j`` policy versions stale (≤ max_staleness).
+- ``separate_async``: a producer thread keeps the rollout pool generating into the store up to
+  ``max_staleness`` steps ahead of the trainer; the generate task waits for its step's rows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flows.checkpoint import latest_checkpoint, read_state, save_checkpoint
+from flows.report import RunReport
+from flows.reward_model import ResolvedModels
+from flows.runtime import Runtime
+from infra.config import TrainConfig
+from infra.transport import Jagged
+from storage import BatchMeta
+from tasks.advantage.stage import advantage
+from tasks.context import StageContext
+from tasks.generate.stage import _generate_one, generate, submit_prompts
+from tasks.kl import AdaptiveKLController, FixedKLController
+from tasks.logprobs.stage import logprobs
+from tasks.rewards import exact_match, hash_answer_match
+from tasks.score.stage import score
+from tasks.update.stage import update
+
+STAGES = {"generate": generate, "score": score, "logprobs": logprobs, "advantage": advantage, "update": update}
+RULES = {"exact_match": exact_match, "hash_answer": hash_answer_match}
+
+
+def partition_id(step: int) -> str:
+    return f"train/step-{step:06d}"
+
+
+class StalenessError(RuntimeError):
+    """A batch is older than ``resources.max_staleness`` policy versions."""
+
+
+class Trainer:
+    """Runs the iterations of one flow run; see the module docstring."""
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime, models: ResolvedModels, run_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        from infra.data import PromptDataset
+
+        self.cfg, self.rt, self.models, self.run_dir = cfg, rt, models, run_dir
+        kl = cfg.algorithm.kl
+        controller = (
+            AdaptiveKLController(init_coef=kl.coef, target=kl.target, horizon=kl.horizon)
+            if kl.adaptive
+            else FixedKLController(coef=kl.coef)
+        )
+        self.ctx = StageContext(
+            cfg=cfg,
+            store=rt.store,
+            tokenizer=AutoTokenizer.from_pretrained(models.tokenizer),
+            train_group=rt.train_group,
+            reward_group=rt.reward_group,
+            rollout_group=rt.rollout_group,
+            kl_controller=controller,
+        )
+        self.data = PromptDataset(Path(models.train_data), seed=cfg.seed)
+        self.heldout = PromptDataset(Path(models.heldout_data), seed=cfg.seed, shuffle=False).next_batch(
+            cfg.trainer.eval_prompts
+        )
+        self.stages = {
+            name: fn.with_options(
+                retries=cfg.orchestration.retries,
+                retry_delay_seconds=cfg.orchestration.retry_delay_seconds,
+                timeout_seconds=cfg.orchestration.timeout_seconds,
+            )
+            for name, fn in STAGES.items()
+        }
+        self.submitted: dict[int, BatchMeta] = {}
+        self.submit_lock = threading.Condition()
+        self.version = 0
+        self.start_step = 0
+        self.last_checkpoint: Path | None = None
+
+    # ------------------------------------------------------------------ resume / checkpoint
+    def resume(self) -> int:
+        """Load the latest checkpoint when ``trainer.resume == 'auto'``; returns the first step to run."""
+        ckpt = latest_checkpoint(self.run_dir) if self.cfg.trainer.resume == "auto" else None
+        if ckpt is None:
+            return 0
+        state = read_state(ckpt)
+        self.version = min(self.rt.train_group.call("load_checkpoint", str(ckpt / "workers")))
+        if self.rt.rollout_group is not self.rt.train_group:
+            from tasks.update.stage import sync_rollout_weights
+
+            sync_rollout_weights(self.ctx)
+        self.data.load_state_dict(state["data"])
+        self.ctx.kl_controller.load_state_dict(state["kl"])
+        if state["partitions"]:
+            self.rt.store.load(ckpt / "store")
+        self.submitted = {int(s): BatchMeta(**m) for s, m in state["submitted"].items()}
+        self.last_checkpoint = ckpt
+        return int(state["step"]) + 1
+
+    def checkpoint(self, step: int) -> None:
+        with self.submit_lock:
+            pending = {s: m for s, m in self.submitted.items() if s > step}
+            state = {
+                "data": self.data.state_dict(),
+                "kl": self.ctx.kl_controller.state_dict(),
+                "submitted": {str(s): {"partition_id": m.partition_id, "keys": list(m.keys), "fields": list(m.fields)} for s, m in pending.items()},
+            }
+            self.last_checkpoint = save_checkpoint(
+                self.run_dir,
+                step,
+                state=state,
+                save_workers=lambda path: self.rt.train_group.call("save_checkpoint", path),
+                store=self.rt.store,
+                partitions=[m.partition_id for m in pending.values()],
+                keep=self.cfg.trainer.keep_checkpoints,
+            )
+
+    # ------------------------------------------------------------------ prompts and rollout
+    def submit(self, step: int) -> BatchMeta:
+        """Draw the step's prompts from the data cursor and put them in its partition (once)."""
+        with self.submit_lock:
+            if step not in self.submitted:
+                rows = self.data.next_batch(self.cfg.rollout.prompts_per_step)
+                self.submitted[step] = submit_prompts(self.ctx, partition_id=partition_id(step), rows=rows)
+                self.submit_lock.notify_all()
+            return self.submitted[step]
+
+    def wait_submitted(self, step: int) -> BatchMeta:
+        deadline = time.monotonic() + self.ctx.get_timeout
+        with self.submit_lock:
+            while step not in self.submitted:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.producer_error is not None:
+                    raise TimeoutError(
+                        f"no rollout for step {step} within store.get_timeout_s={self.ctx.get_timeout:.0f} s"
+                        + (f": the producer failed: {self.producer_error!r}" if self.producer_error else "")
+                    )
+                self.submit_lock.wait(left)
+            return self.submitted[step]
+
+    producer_error: BaseException | None = None
+
+    def _produce(self, first: int, stop: threading.Event) -> None:
+        """separate_async: keep the rollout pool generating up to max_staleness steps ahead."""
+        step = first
+        try:
+            while not stop.is_set() and step < self.cfg.trainer.total_steps:
+                with self.submit_lock:
+                    while self.version < step - self.cfg.resources.max_staleness - self.start_step and not stop.is_set():
+                        self.submit_lock.wait(0.5)
+                if stop.is_set():
+                    return
+                meta = self.submit(step)
+                _generate_one(self.ctx, meta, step)
+                step += 1
+        except BaseException as exc:  # surfaced by wait_submitted / the generate task
+            self.producer_error = exc
+            with self.submit_lock:
+                self.submit_lock.notify_all()
+
+    def metas_for(self, step: int) -> list[BatchMeta]:
+        """The partitions the generate task should fill at ``step``."""
+        mode = self.cfg.resources.mode
+        if mode == "separate_async":
+            return [self.wait_submitted(step)]
+        ahead = self.cfg.resources.max_staleness if mode == "colocate_async" else 0
+        last = min(step + ahead, self.cfg.trainer.total_steps - 1)
+        if step in self.submitted:
+            return [self.submitted[step]]
+        return [self.submit(s) for s in range(step, last + 1)]
+
+    # ------------------------------------------------------------------ one iteration
+    def iteration(self, step: int) -> dict[str, float]:
+        timing: dict[str, float] = {}
+        t_step = time.perf_counter()
+
+        def run(name: str, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = self.stages[name](self.ctx, *args, step)
+            timing[f"timing_s/{name}"] = time.perf_counter() - t0
+            return out
+
+        # 1. generate (possibly several partitions ahead), then wait for this step's rows.
+        meta = run("generate", self.metas_for(step))[0]
+        if self.cfg.resources.mode == "separate_async":
+            self.ctx.store.kv_batch_get(list(meta.keys), meta.partition_id, ["response_ids"], timeout=self.ctx.get_timeout)
+        self._check_staleness(meta, step)
+        # 2.-5. score → logprobs/values → advantage → update.
+        meta = run("score", meta)
+        meta = run("logprobs", meta)
+        meta = run("advantage", meta)
+        run("update", meta)
+        with self.submit_lock:
+            self.version += 1
+            self.submit_lock.notify_all()
+        # 6. Drop the finished partition.
+        lengths = self._response_lengths(meta)
+        self.rt.store.kv_clear(meta.partition_id)
+        self.submitted.pop(step, None)
+        timing["timing_s/step"] = time.perf_counter() - t_step
+        tokens = int(lengths.sum())
+        return {
+            **timing,
+            "response_length/mean": float(lengths.float().mean()),
+            "response_length/max": float(lengths.max()),
+            "perf/total_num_tokens": float(tokens),
+            "perf/throughput": tokens / timing["timing_s/step"],
+        }
+
+    def _response_lengths(self, meta: BatchMeta) -> torch.Tensor:
+        td = self.rt.store.kv_batch_get(list(meta.keys), meta.partition_id, ["response_ids"], timeout=0)
+        return td["response_ids"].offsets().diff()
+
+    def _check_staleness(self, meta: BatchMeta, step: int) -> None:
+        td = self.rt.store.kv_batch_get(list(meta.keys), meta.partition_id, ["rollout_version"], timeout=0)
+        staleness = int(self.version - int(td["rollout_version"].min()))
+        self.ctx.record(step, {"rollout/staleness": float(staleness)})
+        if staleness > self.cfg.resources.max_staleness and self.cfg.resources.mode != "sync":
+            raise StalenessError(
+                f"step {step}: batch generated by policy version {int(td['rollout_version'].min())}, "
+                f"trainer at {self.version}: staleness {staleness} > resources.max_staleness="
+                f"{self.cfg.resources.max_staleness}"
+            )
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> float:
+        """Greedy rule accuracy on held-out prompts (the honest metric beside the RM score)."""
+        tok = self.ctx.tokenizer
+        prompts = Jagged.from_rows(
+            [
+                torch.tensor(tok.apply_chat_template(r.raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
+                for r in self.heldout
+            ]
+        )
+        responses, _, _ = self.rt.rollout_group.call("generate", prompts, n=1, seed=0, temperature=0.0)[0]
+        texts = tok.batch_decode([r.tolist() for r in responses.rows()], skip_special_tokens=True)
+        rule = RULES[self.cfg.reward.rule]
+        return sum(rule(t, str(r.ground_truth)) for t, r in zip(texts, self.heldout, strict=True)) / len(texts)
+
+    # ------------------------------------------------------------------ the run
+    def run(self, report_factory: Any = RunReport) -> dict[str, Any]:
+        cfg = self.cfg
+        self.start_step = first = self.resume()
+        report: RunReport = report_factory(self.run_dir, cfg.name, cfg.trainer.total_steps, start_step=first)
+        report.start(first)
+        stop = threading.Event()
+        producer = None
+        if cfg.resources.mode == "separate_async":
+            producer = threading.Thread(target=self._produce, args=(first, stop), daemon=True, name="rollout-producer")
+            producer.start()
+        t0 = time.perf_counter()
+        step = first
+        try:
+            for step in range(first, cfg.trainer.total_steps):
+                # Held-out accuracy before the step's update every eval_every steps, and after the last.
+                pre = {"eval/rule_accuracy": self.evaluate()} if step % cfg.trainer.eval_every == 0 else {}
+                metrics = {**pre, **self.iteration(step)}
+                if step == cfg.trainer.total_steps - 1:
+                    metrics["eval/rule_accuracy"] = self.evaluate()
+                report.log(step, {**self.ctx.metrics.pop(step, {}), **metrics})
+                out_of_time = cfg.trainer.max_seconds is not None and time.perf_counter() - t0 > cfg.trainer.max_seconds
+                if (step + 1) % cfg.trainer.checkpoint_every == 0 or step == cfg.trainer.total_steps - 1 or out_of_time:
+                    self.checkpoint(step)
+                if out_of_time:
+                    break
+        finally:
+            stop.set()
+            with self.submit_lock:
+                self.submit_lock.notify_all()
+            if producer is not None:
+                producer.join(timeout=cfg.orchestration.call_timeout_s)
+        return {"report": report, "last_step": step, "checkpoint": self.last_checkpoint, "first_step": first}

@@ -1,0 +1,103 @@
+"""What a user sees of a run: ``metrics.jsonl``, Prefect artifacts (metrics table, progress,
+summary) and one Prefect event per iteration (``ppoflow.iteration.completed``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.events import emit_event
+
+ITERATION_EVENT = "ppoflow.iteration.completed"
+TABLE_COLUMNS = (
+    "step",
+    "critic/score/mean",
+    "eval/rule_accuracy",
+    "reward/rule/mean",
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "response_length/mean",
+    "timing_s/step",
+    "perf/throughput",
+)
+
+
+def artifact_key(name: str, suffix: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{name}-{suffix}".lower()).strip("-")
+
+
+class RunReport:
+    """Appends metrics and keeps the run's Prefect artifacts up to date."""
+
+    def __init__(self, run_dir: Path, name: str, total_steps: int, *, start_step: int) -> None:
+        self.run_dir = run_dir
+        self.name = name
+        self.total = total_steps
+        self.path = run_dir / "metrics.jsonl"
+        self.rows = self._load(start_step)
+        self.progress_id: UUID | None = None
+
+    def _load(self, start_step: int) -> list[dict[str, Any]]:
+        """Rows of steps before ``start_step`` (later ones belong to an interrupted attempt)."""
+        if not self.path.exists():
+            return []
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r["step"] < start_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return rows
+
+    def start(self, step: int) -> None:
+        self.progress_id = create_progress_artifact(
+            progress=100.0 * step / self.total,
+            key=artifact_key(self.name, "progress"),
+            description=f"ppoflow run {self.name}: steps done / {self.total}",
+        )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: v for k, v in metrics.items() if math.isfinite(v)}}
+        self.rows.append(row)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        table = [{c: (round(r[c], 5) if isinstance(r.get(c), float) else r.get(c)) for c in TABLE_COLUMNS} for r in self.rows]
+        create_table_artifact(
+            table=table, key=artifact_key(self.name, "metrics"), description=f"per-step metrics of run {self.name}"
+        )
+        if self.progress_id is not None:
+            update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
+        emit_event(
+            event=ITERATION_EVENT,
+            resource={"prefect.resource.id": f"ppoflow.run.{self.name}", "prefect.resource.name": self.name},
+            payload={"step": step, "metrics": row},
+        )
+
+    def summary(self, *, plot: Path | None, checkpoint: Path | None, extra: dict[str, Any]) -> str:
+        first = next((r for r in self.rows if "eval/rule_accuracy" in r), None)
+        last = next((r for r in reversed(self.rows) if "eval/rule_accuracy" in r), None)
+        lines = [f"# ppoflow run `{self.name}`", "", "| what | value |", "|---|---|"]
+        lines += [f"| steps | {len(self.rows)} |"]
+        if first and last:
+            lines += [
+                f"| held-out rule accuracy (first eval, step {first['step']}) | {first['eval/rule_accuracy']:.3f} |",
+                f"| held-out rule accuracy (last eval, step {last['step']}) | {last['eval/rule_accuracy']:.3f} |",
+            ]
+        lines += [f"| {k} | {v} |" for k, v in extra.items()]
+        if plot is not None:
+            lines += [f"| reward/KL plot | [{plot.name}]({plot.resolve().as_uri()}) |"]
+        if checkpoint is not None:
+            lines += [f"| checkpoint | `{checkpoint.resolve()}` |"]
+        text = "\n".join(lines) + "\n"
+        create_markdown_artifact(markdown=text, key=artifact_key(self.name, "summary"), description="run summary")
+        (self.run_dir / "summary.md").write_text(text)
+        return text

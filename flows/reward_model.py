@@ -1,0 +1,143 @@
+"""The reward-model flow: tiny assets → supervised warm start of the policy → a reward model
+trained on preference pairs derived from the rule, reporting its held-out pair accuracy.
+
+Outputs land in ``<run_dir>/warmstart/{sft,reward_model}``; a finished stage is not redone, so a
+resumed or re-scheduled run reuses them. A user with real checkpoints skips this flow by setting
+``models.policy`` and ``models.reward_model``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from infra.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class ResolvedModels:
+    """Concrete model folders for a training run."""
+
+    policy: str
+    tokenizer: str
+    reward_model: str
+    critic: str | None
+    train_data: str
+    heldout_data: str
+    sft_accuracy: float | None = None
+    rm_pair_accuracy: float | None = None
+
+
+@task(name="build-assets", cache_policy=NO_CACHE)
+def build_assets(cfg: TrainConfig) -> dict[str, str]:
+    from infra.assets import build_tiny_assets
+
+    paths = build_tiny_assets(cfg.models.assets_dir, seed=cfg.seed)
+    return {k: str(v) for k, v in asdict(paths).items()}
+
+
+def _report(path: Path) -> dict[str, float] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+@task(name="sft", cache_policy=NO_CACHE)
+def sft(cfg: TrainConfig, assets: dict[str, str], out: Path) -> dict[str, float]:
+    from infra.pretrain import SFTSettings, sft_warmstart
+
+    done = _report(out / "report.json")
+    if done is not None:
+        return done
+    settings = SFTSettings(steps=cfg.warmstart.sft_steps, max_seconds=cfg.warmstart.sft_max_seconds)
+    report = sft_warmstart(
+        policy_path=Path(assets["policy"]),
+        tokenizer_path=Path(assets["tokenizer"]),
+        train_path=Path(assets["train_data"]),
+        heldout_path=Path(assets["heldout_data"]),
+        out_path=out,
+        settings=settings,
+        seed=cfg.seed,
+    )
+    result = {k: float(v) for k, v in asdict(report).items() if isinstance(v, int | float)}
+    (out / "report.json").write_text(json.dumps(result))
+    return result
+
+
+@task(name="train-reward-model", cache_policy=NO_CACHE)
+def reward_model(cfg: TrainConfig, assets: dict[str, str], sft_dir: Path, out: Path) -> dict[str, float]:
+    from infra.pretrain import RewardModelSettings, train_reward_model
+
+    done = _report(out / "report.json")
+    if done is not None:
+        return done
+    settings = RewardModelSettings(steps=cfg.warmstart.rm_steps, max_seconds=cfg.warmstart.rm_max_seconds)
+    report = train_reward_model(
+        init_path=sft_dir,
+        tokenizer_path=Path(assets["tokenizer"]),
+        train_path=Path(assets["train_data"]),
+        heldout_path=Path(assets["heldout_data"]),
+        out_path=out,
+        settings=settings,
+        seed=cfg.seed,
+    )
+    result = {k: float(v) for k, v in asdict(report).items() if isinstance(v, int | float)}
+    (out / "report.json").write_text(json.dumps(result))
+    return result
+
+
+@flow(name="reward-model", log_prints=True)
+def reward_model_flow(config: TrainConfig = TrainConfig()) -> ResolvedModels:  # noqa: B008 - pydantic default is the form's default
+    """Warm-start the policy and train the reward model (skipping what is already done)."""
+    cfg = config
+    logger = get_run_logger()
+    # 1. Assets (tiny tokenizer, models, dataset) — idempotent.
+    assets = build_assets(cfg)
+    root = cfg.resolved_run_dir / "warmstart"
+    sft_dir, rm_dir = root / "sft", root / "reward_model"
+    policy = str(cfg.models.policy) if cfg.models.policy else None
+    rm_path = str(cfg.models.reward_model) if cfg.models.reward_model else None
+    sft_acc = rm_acc = None
+    # 2. Supervised warm start unless a policy checkpoint is given.
+    if policy is None:
+        if cfg.warmstart.enabled:
+            rep = sft(cfg, assets, sft_dir)
+            sft_acc = rep.get("heldout_accuracy")
+            policy = str(sft_dir)
+        else:
+            policy = assets["policy"]
+    # 3. Reward model on rule-derived preference pairs unless one is given.
+    if rm_path is None:
+        if cfg.warmstart.enabled:
+            rep = reward_model(cfg, assets, Path(policy), rm_dir)
+            rm_acc = rep.get("heldout_pair_accuracy")
+            rm_path = str(rm_dir)
+            if rm_acc is not None and rm_acc < cfg.warmstart.min_rm_pair_accuracy:
+                raise RuntimeError(
+                    f"reward model held-out pair accuracy {rm_acc:.3f} < warmstart.min_rm_pair_accuracy="
+                    f"{cfg.warmstart.min_rm_pair_accuracy}: raise warmstart.rm_steps / rm_max_seconds"
+                )
+        else:
+            rm_path = assets["reward_model"]
+    logger.info("warm start: sft held-out accuracy=%s, reward-model held-out pair accuracy=%s", sft_acc, rm_acc)
+    create_markdown_artifact(
+        key="reward-model",
+        markdown=(
+            "# Warm start\n\n| what | value |\n|---|---|\n"
+            f"| policy | `{policy}` |\n| reward model | `{rm_path}` |\n"
+            f"| SFT held-out rule accuracy | {sft_acc} |\n| RM held-out pair accuracy | {rm_acc} |\n"
+        ),
+    )
+    return ResolvedModels(
+        policy=policy,
+        tokenizer=str(cfg.models.tokenizer or (cfg.models.policy or assets["tokenizer"])),
+        reward_model=rm_path,
+        critic=str(cfg.models.critic) if cfg.models.critic else None,
+        train_data=assets["train_data"],
+        heldout_data=assets["heldout_data"],
+        sft_accuracy=sft_acc,
+        rm_pair_accuracy=rm_acc,
+    )

@@ -1,0 +1,120 @@
+"""Build and tear down what a training run computes on: Ray, resource pools, worker groups, store.
+
+Pool layout by mode (``reward.pool`` decides whether the reward model shares the training pool):
+
+| mode             | training pool (num_workers)       | rollout pool           | reward pool      |
+|------------------|-----------------------------------|------------------------|------------------|
+| sync             | rollout, actor, ref, critic, (rm) | — (training pool)      | own: 1 bundle    |
+| colocate_async   | same as sync                      | — (training pool)      | own: 1 bundle    |
+| separate_async   | actor, ref, critic                | rollout_workers        | always own       |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flows.reward_model import ResolvedModels
+from infra.cluster import ResourcePool, create_pool, ensure_ray
+from infra.config import TrainConfig
+from infra.group import WorkerGroup
+from infra.workers import WorkerSpec
+
+
+@dataclass
+class Runtime:
+    store: Any
+    train_group: WorkerGroup
+    reward_group: WorkerGroup
+    rollout_group: WorkerGroup
+    pools: list[ResourcePool] = field(default_factory=list)
+    started_ray: bool = False
+
+    def shutdown(self) -> None:
+        groups = {id(g): g for g in (self.train_group, self.reward_group, self.rollout_group)}
+        for g in groups.values():
+            g.shutdown()
+        for pool in self.pools:
+            pool.release()
+        close = getattr(self.store, "close", None)
+        if close is not None:
+            close()
+        if self.started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def _train_roles(cfg: TrainConfig) -> tuple[str, ...]:
+    algo = cfg.algorithm
+    roles: list[str] = []
+    if cfg.resources.mode != "separate_async":
+        roles.append("rollout")
+    if cfg.reward.pool == "colocated":
+        roles.append("reward")
+    roles.append("actor")
+    if algo.use_reference:
+        roles.append("ref")
+    if algo.use_critic:
+        roles.append("critic")
+    return tuple(roles)
+
+
+def _spec(cfg: TrainConfig, models: ResolvedModels, roles: tuple[str, ...]) -> WorkerSpec:
+    return WorkerSpec(
+        roles=roles,
+        policy_path=models.policy,
+        tokenizer_path=models.tokenizer,
+        reward_model_path=models.reward_model,
+        critic_path=models.critic,
+        device=cfg.resources.device,
+        dtype=cfg.models.dtype,
+        threads=cfg.resources.threads_per_worker,
+        seed=cfg.seed,
+        rollout=cfg.rollout,
+        algorithm=cfg.algorithm,
+        actor_optim=cfg.actor,
+        critic_optim=cfg.critic,
+        reward_batch_size=cfg.reward.batch_size,
+        reward_max_length=cfg.reward.max_length,
+        total_steps=cfg.trainer.total_steps,
+    )
+
+
+def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
+    """Start/attach Ray, reserve pools, start workers (all asleep), open the store."""
+    from storage import open_store
+
+    res = cfg.resources
+    separate = res.mode == "separate_async"
+    own_reward = cfg.reward.pool == "own"
+    devices = res.num_workers + (res.rollout_workers if separate else 0) + (1 if own_reward else 0)
+    started = ensure_ray(res, pools_devices=devices)
+    timeout = cfg.orchestration.call_timeout_s
+    pools: list[ResourcePool] = []
+    try:
+        # 1. Training pool (colocated roles take turns on each of its bundles).
+        train_pool = create_pool("train", res.num_workers, accelerator=res.accelerator_resource)
+        pools.append(train_pool)
+        train = WorkerGroup(train_pool, _spec(cfg, models, _train_roles(cfg)), call_timeout_s=timeout)
+        # 2. Optional own pools for the reward model and the rollout.
+        reward = rollout = train
+        if own_reward:
+            pool = create_pool("reward", 1, accelerator=res.accelerator_resource)
+            pools.append(pool)
+            reward = WorkerGroup(pool, _spec(cfg, models, ("reward",)), call_timeout_s=timeout)
+        if separate:
+            pool = create_pool("rollout", res.rollout_workers, accelerator=res.accelerator_resource)
+            pools.append(pool)
+            rollout = WorkerGroup(pool, _spec(cfg, models, ("rollout",)), call_timeout_s=timeout)
+        # 3. The store.
+        store = open_store(cfg.store.url)
+    except BaseException:
+        for pool in pools:
+            pool.release()
+        if started:
+            import ray
+
+            ray.shutdown()
+        raise
+    return Runtime(store=store, train_group=train, reward_group=reward, rollout_group=rollout, pools=pools, started_ray=started)

@@ -1,0 +1,97 @@
+"""Start or attach to Ray, and carve it into resource pools.
+
+A *pool* is a placement group whose bundles each stand for one device: ``{"CPU": 1, <acc>: 1}``
+where ``<acc>`` is ``GPU`` on a GPU cluster or a custom resource (``gpu_slot``) on a CPU machine,
+so the same placement code runs and is tested everywhere. Roles that share a pool are placed on
+the same bundles and take turns on the device (see ``infra.colocate``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from infra.config import ResourcesConfig
+
+
+class ResourceError(RuntimeError):
+    """The Ray cluster cannot give a pool what it asks for; the message says which resource."""
+
+
+def ensure_ray(res: ResourcesConfig, *, pools_devices: int) -> bool:
+    """Attach to ``res.ray_address`` / ``RAY_ADDRESS`` or start a private local instance.
+
+    Returns True when this call started Ray (the caller shuts it down). A local instance gets
+    ``pools_devices`` fake accelerator slots when it has no real GPUs.
+    """
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = res.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return True
+    resources = (
+        {} if res.accelerator_resource == "GPU" else {res.accelerator_resource: pools_devices}
+    )
+    ray.init(
+        address="local",
+        num_cpus=res.num_cpus or max(2, os.cpu_count() or 2),
+        resources=resources,
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="rp", dir="/tmp"),
+        log_to_driver=True,
+        configure_logging=False,
+    )
+    return True
+
+
+@dataclass
+class ResourcePool:
+    """A named placement group of ``size`` device bundles."""
+
+    name: str
+    size: int
+    accelerator: str
+    group: PlacementGroup
+
+    def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=bundle
+        )
+
+    def actor_options(self, bundle: int, *, share: float) -> dict[str, Any]:
+        """Options for an actor taking ``share`` of bundle ``bundle``'s device."""
+        return {
+            "num_cpus": 0.5 * share,
+            "resources": {} if self.accelerator == "GPU" else {self.accelerator: share},
+            "num_gpus": share if self.accelerator == "GPU" else 0,
+            "scheduling_strategy": self.strategy(bundle),
+        }
+
+    def release(self) -> None:
+        remove_placement_group(self.group)
+
+
+def create_pool(name: str, size: int, *, accelerator: str, timeout_s: float = 60.0) -> ResourcePool:
+    """Reserve ``size`` bundles, failing with a clear message when the cluster lacks them."""
+    bundles = [{"CPU": 0.5, accelerator: 1.0} for _ in range(size)]
+    group = placement_group(bundles, strategy="PACK", name=f"ppoflow-{name}")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        available = ray.available_resources()
+        raise ResourceError(
+            f"pool {name!r} needs {size} bundle(s) of {{CPU: 0.5, {accelerator}: 1}} but the cluster "
+            f"has {available.get(accelerator, 0)} {accelerator} and {available.get('CPU', 0)} CPU free "
+            f"after {timeout_s:.0f} s; lower resources.num_workers/rollout_workers or add devices"
+        ) from None
+    return ResourcePool(name=name, size=size, accelerator=accelerator, group=group)

@@ -1,0 +1,384 @@
+"""The worker that holds the models of one device and runs each stage's compute on it.
+
+A ``PPOWorker`` owns some of the roles ``rollout`` (generation engine), ``reward`` (reward
+model), ``actor`` (policy + optimizer), ``ref`` (frozen reference policy) and ``critic`` (value
+model + optimizer). Roles in one worker share its device and take turns: every method wakes
+exactly the role it needs through a ``ColocatedGroup`` and puts it back to sleep afterwards, even
+when the compute raises. Workers are plain classes; ``WorkerGroup`` (infra.group) runs them as
+Ray actors in a resource pool. Data arrives and leaves as columnar ``Jagged`` buffers.
+
+Data-parallel workers (``world_size > 1``) join a torch.distributed group (gloo on CPU, nccl on
+CUDA), average gradients with global token normalisation and therefore make the same update as
+one worker over the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from infra.colocate import ColocatedGroup
+from infra.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from infra.transport import Jagged
+
+ROLES = ("rollout", "reward", "actor", "ref", "critic")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build its roles (picklable: travels to the Ray actor)."""
+
+    roles: tuple[str, ...]
+    policy_path: str
+    tokenizer_path: str
+    reward_model_path: str | None = None
+    critic_path: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 1
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    dist_address: str | None = None
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor_optim: OptimConfig = field(default_factory=OptimConfig)
+    critic_optim: OptimConfig = field(default_factory=OptimConfig)
+    reward_batch_size: int = 64
+    reward_max_length: int | None = None
+    total_steps: int = 1
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _warmup_lambda(warmup: int):  # noqa: ANN202 - a LambdaLR closure
+    return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+
+
+class PPOWorker:
+    """Holds models for some roles on one device; see the module docstring."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        # 1. Process settings: threads, seeds, distributed group.
+        torch.set_num_threads(spec.threads)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        _seed_everything(spec.seed + 1000 * spec.rank)
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.dtype = getattr(torch, spec.dtype)
+        self.group = ColocatedGroup(f"worker-{spec.rank}")
+        self.version = 0
+        if spec.world_size > 1:
+            self._init_distributed()
+        # 2. Models, each registered asleep in the colocated group.
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.eos_id = int(self.tokenizer.eos_token_id)
+        for role in spec.roles:
+            if role not in ROLES:
+                raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+            getattr(self, f"_build_{role}")()
+        self.group.put_all_to_sleep()
+
+    # ----------------------------------------------------------------- building roles
+    def _init_distributed(self) -> None:
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{self.spec.dist_address}",
+            rank=self.spec.rank,
+            world_size=self.spec.world_size,
+        )
+
+    def _build_rollout(self) -> None:
+        from infra.engines import make_engine
+
+        self.engine = make_engine(
+            self.spec.rollout.engine,
+            self.spec.policy_path,
+            device=self.spec.device,
+            dtype=self.dtype,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+        )
+        self.group.register("rollout", self.engine)
+
+    def _build_reward(self) -> None:
+        from infra.reward_model import RewardScorer
+
+        assert self.spec.reward_model_path is not None, "reward role needs reward_model_path"
+        self.scorer = RewardScorer(
+            self.spec.reward_model_path,
+            policy_tokenizer_path=self.spec.tokenizer_path,
+            device=self.spec.device,
+            dtype=self.dtype,
+            batch_size=self.spec.reward_batch_size,
+            max_length=self.spec.reward_max_length,
+        )
+        self.group.register("reward", self.scorer)
+
+    def _make_trainable(self, model: torch.nn.Module, optim: OptimConfig) -> Any:
+        from infra.colocate import TrainableModel
+
+        model.to(self.device)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, eps=1e-8
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_lambda(optim.warmup_steps))
+        return TrainableModel(model, optimizer, scheduler=scheduler, device=self.spec.device)
+
+    def _build_actor(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.spec.policy_path, dtype=self.dtype)
+        self.actor = self._make_trainable(model, self.spec.actor_optim)
+        self.group.register("actor", self.actor)
+
+    def _build_ref(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from infra.colocate import TrainableModel
+
+        model = AutoModelForCausalLM.from_pretrained(self.spec.policy_path, dtype=self.dtype)
+        model.requires_grad_(False).eval()
+        self.ref = TrainableModel(model, None, device=self.spec.device)
+        self.group.register("ref", self.ref)
+
+    def _build_critic(self) -> None:
+        from transformers import AutoModelForTokenClassification
+
+        path = self.spec.critic_path or self.spec.policy_path
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=self.dtype)
+        self.critic = self._make_trainable(model, self.spec.critic_optim)
+        self.group.register("critic", self.critic)
+
+    # ----------------------------------------------------------------- stage compute
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.spec.rank, "roles": list(self.spec.roles), "pid": os.getpid(), "version": self.version}
+
+    def awake_roles(self) -> list[str]:
+        return self.group.awake_roles()
+
+    def timing(self) -> dict[str, float]:
+        stats = dict(self.group.stats)
+        return stats
+
+    def generate(
+        self, prompts: Jagged, *, n: int, seed: int, temperature: float | None = None
+    ) -> tuple[Jagged, Jagged, int]:
+        """Sample ``n`` responses per prompt; returns responses, rollout logprobs, policy version.
+
+        ``temperature`` overrides the rollout setting (0 = greedy, used by evaluation)."""
+        cfg = self.spec.rollout
+        with self.group.awake("rollout"):
+            out = self.engine.generate(
+                prompts.rows(),
+                n=n,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature if temperature is None else temperature,
+                top_p=cfg.top_p,
+                seed=seed,
+            )
+        return Jagged.from_rows(out.response_ids), Jagged.from_rows(out.rollout_logprobs), self.version
+
+    def score(self, prompts: Jagged, responses: Jagged, raw_prompt: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """Reward-model score per sample and whether its re-tokenised input was truncated."""
+        with self.group.awake("reward"):
+            out = self.scorer.score(prompt_ids=prompts.rows(), response_ids=responses.rows(), raw_prompt=raw_prompt)
+        return out.scores.float().numpy(), out.truncated.numpy()
+
+    def _packed(self, prompts: Jagged, responses: Jagged) -> Any:
+        from tasks.batching import pack_batch
+
+        return pack_batch(prompt_ids=prompts.rows(), response_ids=responses.rows(), pad_id=self.pad_id)
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, batch: Any, micro: int) -> Tensor:
+        from tasks.batching import gather_response_logprobs
+
+        outs = []
+        for start in range(0, batch.input_ids.shape[0], micro):
+            mb = batch.slice(start, start + micro)
+            logits = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.long().to(self.device)).logits
+            outs.append(gather_response_logprobs(logits=logits.float().cpu(), batch=mb, temperature=self._temperature))
+        return torch.cat(outs)
+
+    @property
+    def _temperature(self) -> float:
+        return self.spec.rollout.temperature or 1.0
+
+    @torch.no_grad()
+    def _values(self, batch: Any, micro: int) -> Tensor:
+        from tasks.batching import gather_response_values
+
+        outs = []
+        for start in range(0, batch.input_ids.shape[0], micro):
+            mb = batch.slice(start, start + micro)
+            logits = self.critic.model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.long().to(self.device)).logits
+            outs.append(gather_response_values(values=logits[..., 0].float().cpu(), batch=mb))
+        return torch.cat(outs)
+
+    def forward(self, prompts: Jagged, responses: Jagged) -> dict[str, Jagged]:
+        """``old_logprobs`` (actor), ``ref_logprobs`` (reference), ``values`` (critic) for the roles held."""
+        from tasks.batching import unpad
+
+        batch = self._packed(prompts, responses)
+        lengths = batch.response_lengths
+        out: dict[str, Jagged] = {}
+        micro = max(self.spec.actor_optim.micro_batch_size, 1)
+        if "actor" in self.spec.roles:
+            with self.group.awake("actor"):
+                out["old_logprobs"] = Jagged.from_rows(unpad(self._logprobs(self.actor.model, batch, micro), lengths))
+        if "ref" in self.spec.roles:
+            with self.group.awake("ref"):
+                out["ref_logprobs"] = Jagged.from_rows(unpad(self._logprobs(self.ref.model, batch, micro), lengths))
+        if "critic" in self.spec.roles:
+            with self.group.awake("critic"):
+                out["values"] = Jagged.from_rows(unpad(self._values(batch, micro), lengths))
+        return out
+
+    def _grad_reducer(self):  # noqa: ANN202 - returns a callable or None
+        if self.spec.world_size == 1:
+            return None
+        import torch.distributed as dist
+
+        def reduce(model: torch.nn.Module) -> None:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+        return reduce
+
+    def update(
+        self,
+        prompts: Jagged,
+        responses: Jagged,
+        fields: dict[str, Jagged],
+        *,
+        global_tokens: int,
+        global_seqs: int,
+    ) -> dict[str, float]:
+        """One PPO update of the actor (and critic) on this worker's shard."""
+        from tasks.update.optimize import actor_update, critic_update
+
+        from infra.trainer_settings import actor_settings, critic_settings
+
+        batch = self._packed(prompts, responses)
+        width = batch.response_mask.shape[1]
+
+        def padded(name: str) -> Tensor:
+            return fields[name].padded(width=width).float()
+
+        metrics: dict[str, float] = {}
+        reducer = self._grad_reducer()
+        with self.group.awake("actor"):
+            metrics.update(
+                actor_update(
+                    model=self.actor.model,
+                    optimizer=self.actor.optimizer,
+                    scheduler=self.actor.scheduler,
+                    batch=batch,
+                    old_logprobs=padded("old_logprobs"),
+                    advantages=padded("advantages"),
+                    ref_logprobs=padded("ref_logprobs") if "ref_logprobs" in fields else None,
+                    cfg=actor_settings(self.spec),
+                    grad_reducer=reducer,
+                    global_tokens=global_tokens,
+                    global_seqs=global_seqs,
+                )
+            )
+        if "critic" in self.spec.roles:
+            with self.group.awake("critic"):
+                metrics.update(
+                    critic_update(
+                        model=self.critic.model,
+                        optimizer=self.critic.optimizer,
+                        scheduler=self.critic.scheduler,
+                        batch=batch,
+                        old_values=padded("values"),
+                        returns=padded("returns"),
+                        cfg=critic_settings(self.spec),
+                        grad_reducer=reducer,
+                        global_tokens=global_tokens,
+                        global_seqs=global_seqs,
+                    )
+                )
+        self.version += 1
+        if "rollout" in self.spec.roles:
+            self.engine.load_weights(self.actor.model.state_dict())
+        return metrics
+
+    # ----------------------------------------------------------------- weights and checkpoints
+    def policy_state(self) -> dict[str, np.ndarray]:
+        """The actor's weights as numpy arrays (zero-copy through Ray) for another pool's engine."""
+        return {k: v.detach().cpu().numpy() for k, v in self.actor.model.state_dict().items()}
+
+    def load_policy(self, state: dict[str, np.ndarray], version: int) -> None:
+        self.engine.load_weights({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
+        self.version = version
+
+    def parameters_digest(self) -> dict[str, float]:
+        """Per-tensor sums of the actor's weights (tests compare runs with these)."""
+        return {k: float(v.double().sum()) for k, v in self.actor.model.state_dict().items()}
+
+    def save_checkpoint(self, path: str) -> None:
+        """Models (save_pretrained), optimizer and scheduler states, RNG states of this worker."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        state: dict[str, Any] = {
+            "version": self.version,
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        }
+        if "actor" in self.spec.roles:
+            if self.spec.rank == 0:
+                self.actor.model.save_pretrained(out / "actor", safe_serialization=True)
+                self.tokenizer.save_pretrained(out / "actor")
+            state["actor_optimizer"] = self.actor.optimizer.state_dict()
+            state["actor_scheduler"] = self.actor.scheduler.state_dict()
+        if "critic" in self.spec.roles:
+            if self.spec.rank == 0:
+                self.critic.model.save_pretrained(out / "critic", safe_serialization=True)
+            state["critic_optimizer"] = self.critic.optimizer.state_dict()
+            state["critic_scheduler"] = self.critic.scheduler.state_dict()
+        torch.save(state, out / f"worker-{self.spec.rank}.pt")
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore what ``save_checkpoint`` wrote; returns the policy version."""
+        from safetensors.torch import load_file
+
+        src = Path(path)
+        state = torch.load(src / f"worker-{self.spec.rank}.pt", weights_only=False)
+        if "actor" in self.spec.roles:
+            self.actor.model.load_state_dict(load_file(src / "actor" / "model.safetensors"), strict=True)
+            self.actor.optimizer.load_state_dict(state["actor_optimizer"])
+            self.actor.scheduler.load_state_dict(state["actor_scheduler"])
+            if "rollout" in self.spec.roles:
+                self.engine.load_weights(self.actor.model.state_dict())
+        if "critic" in self.spec.roles:
+            self.critic.model.load_state_dict(load_file(src / "critic" / "model.safetensors"), strict=True)
+            self.critic.optimizer.load_state_dict(state["critic_optimizer"])
+            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        self.version = int(state["version"])
+        return self.version

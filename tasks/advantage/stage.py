@@ -1,0 +1,134 @@
+"""advantage: token rewards (score on the last real token, minus an optional KL penalty) and the
+configured estimator's advantages and returns. Pure tensor math, run in the flow process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from torch import Tensor
+
+from infra.config import AlgorithmConfig
+from infra.transport import Jagged
+from storage import BatchMeta
+from tasks.advantage.core import gae, grpo_advantage, reinforce_pp_advantage, rloo_advantage
+from tasks.batching import unpad
+from tasks.context import StageContext
+from tasks.io import read, write
+from tasks.kl import apply_kl_penalty
+from tasks.masks import masked_mean
+from tasks.score.core import lengths_to_mask, place_scores
+
+WRITES = ("response_mask", "token_rewards", "advantages", "returns")
+
+
+def reads(algo: AlgorithmConfig) -> tuple[str, ...]:
+    return (
+        ("response_ids", "scores", "group_ids", "old_logprobs")
+        + (("ref_logprobs",) if algo.kl.in_reward else ())
+        + (("values",) if algo.use_critic else ())
+    )
+
+
+def _gae(algo: AlgorithmConfig, d: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    out = gae(
+        token_rewards=d["token_rewards"],
+        values=d["values"],
+        response_mask=d["response_mask"],
+        gamma=algo.gamma,
+        lam=algo.lam,
+        whiten=algo.whiten_advantages,
+    )
+    return out.advantages, out.returns
+
+
+def _grpo(algo: AlgorithmConfig, d: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    adv = grpo_advantage(
+        scores=d["scores"],
+        group_ids=d["group_ids"],
+        response_mask=d["response_mask"],
+        norm_by_std=algo.norm_by_std,
+    )
+    return adv, adv
+
+
+def _rloo(algo: AlgorithmConfig, d: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    adv = rloo_advantage(
+        scores=d["scores"], group_ids=d["group_ids"], response_mask=d["response_mask"]
+    )
+    return adv, adv
+
+
+def _reinforce_pp(algo: AlgorithmConfig, d: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    out = reinforce_pp_advantage(
+        token_rewards=d["token_rewards"],
+        response_mask=d["response_mask"],
+        gamma=algo.gamma,
+        whiten=algo.whiten_advantages,
+    )
+    return out.advantages, out.returns
+
+
+ESTIMATORS: dict[str, Callable[[AlgorithmConfig, dict[str, Tensor]], tuple[Tensor, Tensor]]] = {
+    "gae": _gae,
+    "grpo": _grpo,
+    "rloo": _rloo,
+    "reinforce_pp": _reinforce_pp,
+}
+
+
+def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Tensor]:
+    """Padded (B, T) tensors of everything the stage writes."""
+    algo = ctx.cfg.algorithm
+    lengths = data["response_ids"].lengths  # (B,)
+    width = int(lengths.max()) if len(lengths) else 0
+    d: dict[str, Tensor] = {
+        "scores": data["scores"].float(),
+        "group_ids": data["group_ids"],
+        "response_mask": lengths_to_mask(lengths, width),  # (B, T)
+    }
+    d["token_rewards"] = place_scores(d["scores"], lengths, width)  # (B, T)
+    if algo.kl.in_reward:
+        assert ctx.kl_controller is not None
+        d["token_rewards"], kl_mean = apply_kl_penalty(
+            token_rewards=d["token_rewards"],
+            logprobs=data["old_logprobs"].padded(width=width).float(),
+            ref_logprobs=data["ref_logprobs"].padded(width=width).float(),
+            response_mask=d["response_mask"],
+            coef=ctx.kl_controller.value,
+            kind=algo.kl.kind,
+        )
+        ctx.record(
+            step,
+            {
+                "actor/reward_kl_penalty": float(kl_mean),
+                "actor/reward_kl_penalty_coeff": ctx.kl_controller.value,
+            },
+        )
+        ctx.kl_controller.update(float(kl_mean), len(lengths))
+    if algo.use_critic:
+        d["values"] = data["values"].padded(width=width).float()
+    d["advantages"], d["returns"] = ESTIMATORS[algo.estimator](algo, d)
+    mask = d["response_mask"]
+    ctx.record(
+        step,
+        {
+            "critic/advantages/mean": float(masked_mean(d["advantages"], mask))
+            if mask.any()
+            else 0.0,
+            "critic/returns/mean": float(masked_mean(d["returns"], mask)) if mask.any() else 0.0,
+        },
+    )
+    return d
+
+
+@task(name="advantage", cache_policy=NO_CACHE, task_run_name="advantage[step={step}]")
+def advantage(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
+    # 1. Read, 2. compute, 3. write back unpadded rows.
+    data = read(ctx, meta, reads(ctx.cfg.algorithm))
+    d = compute(ctx, data, step)
+    lengths = data["response_ids"].lengths
+    return write(ctx, meta, {name: Jagged.from_rows(unpad(d[name], lengths)) for name in WRITES})

@@ -1,0 +1,43 @@
+"""What every stage task needs besides its ``BatchMeta``: the store, the config, the worker groups.
+
+A plain class on purpose: Prefect walks dataclasses and dicts in task arguments looking for
+futures, and this object holds a store and Ray actor handles that it must not walk.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from infra.config import TrainConfig
+
+
+class StageContext:
+    """Shared handles of one training run (one per flow run)."""
+
+    def __init__(
+        self,
+        *,
+        cfg: TrainConfig,
+        store: Any,
+        tokenizer: Any,
+        train_group: Any,
+        reward_group: Any | None = None,
+        rollout_group: Any | None = None,
+        kl_controller: Any | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.tokenizer = tokenizer
+        self.train_group = train_group
+        self.reward_group = reward_group or train_group
+        self.rollout_group = rollout_group or train_group
+        self.kl_controller = kl_controller
+        self.metrics: dict[int, dict[str, float]] = defaultdict(dict)
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        self.metrics[step].update({k: float(v) for k, v in values.items()})
+
+    @property
+    def get_timeout(self) -> float:
+        return self.cfg.store.get_timeout_s

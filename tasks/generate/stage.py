@@ -1,0 +1,99 @@
+"""generate: sample ``n`` responses per prompt with the rollout engine.
+
+Reads ``prompt_ids`` of each prompt's first sample key, asks the rollout workers (sharded by
+prompt) to generate, and writes ``response_ids``, ``rollout_logprobs``, ``group_ids`` and
+``rollout_version`` for every sample key. The seed is a function of (run seed, step), so a
+retried task regenerates identical rows and its put is a no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from infra.group import concat, split, take
+from infra.transport import Jagged
+from storage import BatchMeta
+from tasks.context import StageContext
+from tasks.io import read, write
+
+READS = ("prompt_ids",)
+WRITES = ("response_ids", "rollout_logprobs", "group_ids", "rollout_version")
+PROMPT_FIELDS = ("prompt_ids", "raw_prompt", "ground_truth")
+
+
+def sample_keys(uids: list[str], n: int) -> list[str]:
+    """``<prompt_uid>/<sample_index>``, prompt-major."""
+    return [f"{uid}/{i}" for uid in uids for i in range(n)]
+
+
+def submit_prompts(ctx: StageContext, *, partition_id: str, rows: list[Any]) -> BatchMeta:
+    """Put the prompt fields of ``rows`` (PromptRow-like: uid, raw_prompt, ground_truth) for every sample key."""
+    n = ctx.cfg.rollout.n
+    ids = [
+        torch.tensor(
+            ctx.tokenizer.apply_chat_template(row.raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False),
+            dtype=torch.int64,
+        )
+        for row in rows
+    ]
+    keys = sample_keys([row.uid for row in rows], n)
+    meta = BatchMeta(partition_id=partition_id, keys=tuple(keys), fields=())
+    return write(
+        ctx,
+        meta,
+        {
+            "prompt_ids": Jagged.from_rows([p for p in ids for _ in range(n)]),
+            "raw_prompt": [row.raw_prompt for row in rows for _ in range(n)],
+            "ground_truth": [row.ground_truth for row in rows for _ in range(n)],
+        },
+    )
+
+
+def generation_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
+def _generate_one(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
+    n = ctx.cfg.rollout.n
+    # 1. The prompt rows (first sample of each group).
+    prompt_meta = BatchMeta(meta.partition_id, meta.keys[::n], ())
+    prompts: Jagged = read(ctx, prompt_meta, READS)["prompt_ids"]
+    # 2. Generate, sharded by prompt over the rollout workers.
+    group = ctx.rollout_group
+    shards = split(len(prompts), group.size)
+    seed = generation_seed(ctx.cfg.seed, step)
+    outs = group.call_sharded(
+        "generate", [((take(prompts, sl),), {"n": n, "seed": seed + rank}) for rank, sl in enumerate(shards)]
+    )
+    responses = concat([o[0] for o in outs])
+    logprobs = concat([o[1] for o in outs])
+    version = min(o[2] for o in outs)
+    # 3. Write the responses for every sample key.
+    group_ids = torch.arange(len(prompts), dtype=torch.int64).repeat_interleave(n)  # (B,)
+    return write(
+        ctx,
+        meta,
+        {
+            "response_ids": responses,
+            "rollout_logprobs": logprobs,
+            "group_ids": group_ids,
+            "rollout_version": torch.full((len(meta.keys),), version, dtype=torch.int64),
+        },
+    )
+
+
+@task(name="generate", cache_policy=NO_CACHE, task_run_name="generate[step={step}]")
+def generate(ctx: StageContext, metas: list[BatchMeta], step: int) -> list[BatchMeta]:
+    """Generate responses for each submitted partition in ``metas`` (several when generating ahead)."""
+    out = []
+    for offset, meta in enumerate(metas):
+        done = ctx.store.kv_list(meta.partition_id)
+        if all("response_ids" in done.get(k, ()) for k in meta.keys):
+            out.append(meta.with_fields(*WRITES))  # produced ahead of time (colocate_async)
+            continue
+        out.append(_generate_one(ctx, meta, step + offset))
+    return out

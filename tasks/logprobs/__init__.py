@@ -1,0 +1,1 @@
+"""Log-probabilities and values stage (see ``stage``)."""

@@ -1,0 +1,41 @@
+"""logprobs: ``old_logprobs`` (actor), ``ref_logprobs`` (reference) and ``values`` (critic).
+
+The training workers recompute the actor's log-probabilities of the sampled tokens (at the
+rollout temperature), the frozen reference's when a KL term is configured, and the critic's
+values when the estimator is GAE — each model woken in turn.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from infra.group import concat, split, take
+from storage import BatchMeta
+from tasks.context import StageContext
+from tasks.io import read, write
+
+READS = ("prompt_ids", "response_ids")
+
+
+def writes(ctx: StageContext) -> tuple[str, ...]:
+    algo = ctx.cfg.algorithm
+    return (
+        ("old_logprobs",)
+        + (("ref_logprobs",) if algo.use_reference else ())
+        + (("values",) if algo.use_critic else ())
+    )
+
+
+@task(name="logprobs", cache_policy=NO_CACHE, task_run_name="logprobs[step={step}]")
+def logprobs(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
+    # 1. Read.
+    data = read(ctx, meta, READS)
+    prompts, responses = data["prompt_ids"], data["response_ids"]
+    # 2. Forward passes on the training workers, sharded by sample.
+    group = ctx.train_group
+    outs = group.call_sharded(
+        "forward", [((take(prompts, sl), take(responses, sl)), {}) for sl in split(len(prompts), group.size)]
+    )
+    # 3. Write the fields this configuration produces.
+    return write(ctx, meta, {name: concat([o[name] for o in outs]) for name in writes(ctx)})

@@ -1,0 +1,61 @@
+"""update: PPO update of the actor (and critic) on the training workers, then weight sync.
+
+Samples are sharded over the data-parallel workers; losses are normalised by the batch's global
+token and sequence counts so N workers make the same update as one. After the update the rollout
+engine gets the new weights (in-process on a colocated pool; through Ray's object store when the
+rollout has its own pool).
+"""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from infra.group import split, take
+from storage import BatchMeta
+from tasks.context import StageContext
+from tasks.io import read
+
+BASE_READS = ("prompt_ids", "response_ids", "old_logprobs", "advantages")
+
+
+def reads(ctx: StageContext) -> tuple[str, ...]:
+    algo = ctx.cfg.algorithm
+    return (
+        BASE_READS
+        + (("ref_logprobs",) if algo.kl.loss_coef > 0 else ())
+        + (("values", "returns") if algo.use_critic else ())
+    )
+
+
+def sync_rollout_weights(ctx: StageContext) -> None:
+    """Push the actor's weights to a rollout pool that is not the training pool."""
+    if ctx.rollout_group is ctx.train_group:
+        return
+    version = ctx.train_group.call("ping")[0]["version"]
+    state = ctx.train_group.workers[0].policy_state.remote()
+    ctx.rollout_group.call("load_policy", state, version)
+
+
+@task(name="update", cache_policy=NO_CACHE, task_run_name="update[step={step}]")
+def update(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
+    # 1. Read.
+    names = reads(ctx)
+    data = read(ctx, meta, names)
+    prompts, responses = data["prompt_ids"], data["response_ids"]
+    fields = {k: data[k] for k in names if k not in ("prompt_ids", "response_ids")}
+    # 2. Update on every worker with its shard; global counts keep the update worker-count invariant.
+    group = ctx.train_group
+    totals = {"global_tokens": int(responses.offsets[-1]), "global_seqs": len(responses)}
+    shards = [
+        (
+            (take(prompts, sl), take(responses, sl), {k: take(v, sl) for k, v in fields.items()}),
+            totals,
+        )
+        for sl in split(len(prompts), group.size)
+    ]
+    results = group.call_sharded("update", shards)
+    # 3. Metrics (averaged over workers), then weight sync.
+    ctx.record(step, {k: sum(r[k] for r in results) / len(results) for k in results[0]})
+    sync_rollout_weights(ctx)
+    return meta

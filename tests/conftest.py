@@ -1,0 +1,90 @@
+"""Shared fixtures: a private local Ray instance and an isolated Prefect test harness.
+
+Every test session gets its own PREFECT_HOME and Ray temp dir, analytics off, and a SIGTERM
+handler that turns termination into KeyboardInterrupt so harness servers and Ray helpers are
+torn down instead of being left running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="ppoflow-tests-"))
+os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect-home"))
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"received signal {signum}")
+
+
+signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def session_tmp() -> Path:
+    return _SESSION_TMP
+
+
+@pytest.fixture(scope="session")
+def ray_local(session_tmp: Path) -> Iterator[object]:
+    """A private local Ray instance with a fake GPU resource (`gpu_slot`) for placement tests."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray socket paths are length-limited
+    ray.init(
+        address="local",
+        num_cpus=4,
+        resources={"gpu_slot": 2},
+        include_dashboard=False,
+        _temp_dir=str(ray_tmp),
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(session_tmp: Path) -> Iterator[None]:
+    """A real (ephemeral) Prefect API for flow tests, torn down at the end of the session."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            yield
