@@ -25,7 +25,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     root = run_dir / "checkpoints"
     if not root.exists():
         return None
-    done = sorted(p for p in root.glob("step-*") if (p / STATE).exists() and not p.name.endswith(".tmp"))
+    done = sorted(
+        p for p in root.glob("step-*") if (p / STATE).exists() and not p.name.endswith(".tmp")
+    )
     return done[-1] if done else None
 
 
@@ -47,7 +49,9 @@ def save_checkpoint(
     save_workers(str(tmp / "workers"))
     if partitions:
         store.save(tmp / "store", partitions=partitions)
-    (tmp / STATE).write_text(json.dumps({**state, "step": step, "partitions": partitions}, indent=1))
+    (tmp / STATE).write_text(
+        json.dumps({**state, "step": step, "partitions": partitions}, indent=1)
+    )
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in sorted((run_dir / "checkpoints").glob("step-*"))[:-keep]:

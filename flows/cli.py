@@ -1,9 +1,9 @@
 """``ppoflow``: the command line.
 
-    ppoflow train [--config configs/grpo.yaml] [key=value ...]   # the training flow (embedded default without args)
-    ppoflow plot RUN_DIR                                          # reward/KL curves → RUN_DIR/curves.png
-    ppoflow deploy [--prefect-yaml PATH]                          # register deployments with a Prefect server
-    ppoflow serve [--name NAME ...]                               # serve deployments without a work pool
+ppoflow train [--config configs/grpo.yaml] [key=value ...]   # the training flow (embedded default without args)
+ppoflow plot RUN_DIR                                          # reward/KL curves → RUN_DIR/curves.png
+ppoflow deploy [--prefect-yaml PATH]                          # register deployments with a Prefect server
+ppoflow serve [--name NAME ...]                               # serve deployments without a work pool
 """
 
 from __future__ import annotations
@@ -68,11 +68,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_defaults()
-    parser = argparse.ArgumentParser(prog="ppoflow", description="PPO-family RL as Prefect pipelines over Ray.")
+    parser = argparse.ArgumentParser(
+        prog="ppoflow", description="PPO-family RL as Prefect pipelines over Ray."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run the training flow")
-    train.add_argument("--config", type=Path, default=None, help="YAML config (default: the embedded main job)")
-    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=20")
+    train.add_argument(
+        "--config", type=Path, default=None, help="YAML config (default: the embedded main job)"
+    )
+    train.add_argument(
+        "overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=20"
+    )
     train.set_defaults(fn=_train)
     plot = sub.add_parser("plot", help="plot reward and KL curves of a run")
     plot.add_argument("run_dir")

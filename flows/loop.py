@@ -35,7 +35,13 @@ from tasks.rewards import exact_match, hash_answer_match
 from tasks.score.stage import score
 from tasks.update.stage import update
 
-STAGES = {"generate": generate, "score": score, "logprobs": logprobs, "advantage": advantage, "update": update}
+STAGES = {
+    "generate": generate,
+    "score": score,
+    "logprobs": logprobs,
+    "advantage": advantage,
+    "update": update,
+}
 RULES = {"exact_match": exact_match, "hash_answer": hash_answer_match}
 
 
@@ -50,7 +56,9 @@ class StalenessError(RuntimeError):
 class Trainer:
     """Runs the iterations of one flow run; see the module docstring."""
 
-    def __init__(self, cfg: TrainConfig, rt: Runtime, models: ResolvedModels, run_dir: Path) -> None:
+    def __init__(
+        self, cfg: TrainConfig, rt: Runtime, models: ResolvedModels, run_dir: Path
+    ) -> None:
         from transformers import AutoTokenizer
 
         from infra.data import PromptDataset
@@ -72,9 +80,9 @@ class Trainer:
             kl_controller=controller,
         )
         self.data = PromptDataset(Path(models.train_data), seed=cfg.seed)
-        self.heldout = PromptDataset(Path(models.heldout_data), seed=cfg.seed, shuffle=False).next_batch(
-            cfg.trainer.eval_prompts
-        )
+        self.heldout = PromptDataset(
+            Path(models.heldout_data), seed=cfg.seed, shuffle=False
+        ).next_batch(cfg.trainer.eval_prompts)
         self.stages = {
             name: fn.with_options(
                 retries=cfg.orchestration.retries,
@@ -115,7 +123,14 @@ class Trainer:
             state = {
                 "data": self.data.state_dict(),
                 "kl": self.ctx.kl_controller.state_dict(),
-                "submitted": {str(s): {"partition_id": m.partition_id, "keys": list(m.keys), "fields": list(m.fields)} for s, m in pending.items()},
+                "submitted": {
+                    str(s): {
+                        "partition_id": m.partition_id,
+                        "keys": list(m.keys),
+                        "fields": list(m.fields),
+                    }
+                    for s, m in pending.items()
+                },
             }
             self.last_checkpoint = save_checkpoint(
                 self.run_dir,
@@ -133,7 +148,9 @@ class Trainer:
         with self.submit_lock:
             if step not in self.submitted:
                 rows = self.data.next_batch(self.cfg.rollout.prompts_per_step)
-                self.submitted[step] = submit_prompts(self.ctx, partition_id=partition_id(step), rows=rows)
+                self.submitted[step] = submit_prompts(
+                    self.ctx, partition_id=partition_id(step), rows=rows
+                )
                 self.submit_lock.notify_all()
             return self.submitted[step]
 
@@ -145,7 +162,11 @@ class Trainer:
                 if left <= 0 or self.producer_error is not None:
                     raise TimeoutError(
                         f"no rollout for step {step} within store.get_timeout_s={self.ctx.get_timeout:.0f} s"
-                        + (f": the producer failed: {self.producer_error!r}" if self.producer_error else "")
+                        + (
+                            f": the producer failed: {self.producer_error!r}"
+                            if self.producer_error
+                            else ""
+                        )
                     )
                 self.submit_lock.wait(left)
             return self.submitted[step]
@@ -158,7 +179,10 @@ class Trainer:
         try:
             while not stop.is_set() and step < self.cfg.trainer.total_steps:
                 with self.submit_lock:
-                    while self.version < step - self.cfg.resources.max_staleness - self.start_step and not stop.is_set():
+                    while (
+                        self.version < step - self.cfg.resources.max_staleness - self.start_step
+                        and not stop.is_set()
+                    ):
                         self.submit_lock.wait(0.5)
                 if stop.is_set():
                     return
@@ -195,7 +219,9 @@ class Trainer:
         # 1. generate (possibly several partitions ahead), then wait for this step's rows.
         meta = run("generate", self.metas_for(step))[0]
         if self.cfg.resources.mode == "separate_async":
-            self.ctx.store.kv_batch_get(list(meta.keys), meta.partition_id, ["response_ids"], timeout=self.ctx.get_timeout)
+            self.ctx.store.kv_batch_get(
+                list(meta.keys), meta.partition_id, ["response_ids"], timeout=self.ctx.get_timeout
+            )
         self._check_staleness(meta, step)
         # 2.-5. score → logprobs/values → advantage → update.
         meta = run("score", meta)
@@ -220,11 +246,15 @@ class Trainer:
         }
 
     def _response_lengths(self, meta: BatchMeta) -> torch.Tensor:
-        td = self.rt.store.kv_batch_get(list(meta.keys), meta.partition_id, ["response_ids"], timeout=0)
+        td = self.rt.store.kv_batch_get(
+            list(meta.keys), meta.partition_id, ["response_ids"], timeout=0
+        )
         return td["response_ids"].offsets().diff()
 
     def _check_staleness(self, meta: BatchMeta, step: int) -> None:
-        td = self.rt.store.kv_batch_get(list(meta.keys), meta.partition_id, ["rollout_version"], timeout=0)
+        td = self.rt.store.kv_batch_get(
+            list(meta.keys), meta.partition_id, ["rollout_version"], timeout=0
+        )
         staleness = int(self.version - int(td["rollout_version"].min()))
         self.ctx.record(step, {"rollout/staleness": float(staleness)})
         if staleness > self.cfg.resources.max_staleness and self.cfg.resources.mode != "sync":
@@ -240,45 +270,80 @@ class Trainer:
         tok = self.ctx.tokenizer
         prompts = Jagged.from_rows(
             [
-                torch.tensor(tok.apply_chat_template(r.raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
+                torch.tensor(
+                    tok.apply_chat_template(
+                        r.raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+                    )
+                )
                 for r in self.heldout
             ]
         )
-        responses, _, _ = self.rt.rollout_group.call("generate", prompts, n=1, seed=0, temperature=0.0)[0]
+        responses, _, _ = self.rt.rollout_group.call(
+            "generate", prompts, n=1, seed=0, temperature=0.0
+        )[0]
         texts = tok.batch_decode([r.tolist() for r in responses.rows()], skip_special_tokens=True)
         rule = RULES[self.cfg.reward.rule]
-        return sum(rule(t, str(r.ground_truth)) for t, r in zip(texts, self.heldout, strict=True)) / len(texts)
+        return sum(
+            rule(t, str(r.ground_truth)) for t, r in zip(texts, self.heldout, strict=True)
+        ) / len(texts)
 
     # ------------------------------------------------------------------ the run
     def run(self, report_factory: Any = RunReport) -> dict[str, Any]:
         cfg = self.cfg
         self.start_step = first = self.resume()
-        report: RunReport = report_factory(self.run_dir, cfg.name, cfg.trainer.total_steps, start_step=first)
+        report: RunReport = report_factory(
+            self.run_dir,
+            cfg.name,
+            cfg.trainer.total_steps,
+            start_step=first,
+            progress_bar=cfg.trainer.progress_bar,
+        )
         report.start(first)
         stop = threading.Event()
         producer = None
         if cfg.resources.mode == "separate_async":
-            producer = threading.Thread(target=self._produce, args=(first, stop), daemon=True, name="rollout-producer")
+            producer = threading.Thread(
+                target=self._produce, args=(first, stop), daemon=True, name="rollout-producer"
+            )
             producer.start()
         t0 = time.perf_counter()
         step = first
+        per_run = cfg.trainer.steps_per_run
+        end = cfg.trainer.total_steps if per_run is None else min(cfg.trainer.total_steps, first + per_run)
         try:
-            for step in range(first, cfg.trainer.total_steps):
+            for step in range(first, end):
                 # Held-out accuracy before the step's update every eval_every steps, and after the last.
-                pre = {"eval/rule_accuracy": self.evaluate()} if step % cfg.trainer.eval_every == 0 else {}
+                pre = (
+                    {"eval/rule_accuracy": self.evaluate()}
+                    if step % cfg.trainer.eval_every == 0
+                    else {}
+                )
                 metrics = {**pre, **self.iteration(step)}
-                if step == cfg.trainer.total_steps - 1:
+                if step == end - 1:
                     metrics["eval/rule_accuracy"] = self.evaluate()
                 report.log(step, {**self.ctx.metrics.pop(step, {}), **metrics})
-                out_of_time = cfg.trainer.max_seconds is not None and time.perf_counter() - t0 > cfg.trainer.max_seconds
-                if (step + 1) % cfg.trainer.checkpoint_every == 0 or step == cfg.trainer.total_steps - 1 or out_of_time:
+                out_of_time = (
+                    cfg.trainer.max_seconds is not None
+                    and time.perf_counter() - t0 > cfg.trainer.max_seconds
+                )
+                if (
+                    (step + 1) % cfg.trainer.checkpoint_every == 0
+                    or step == end - 1
+                    or out_of_time
+                ):
                     self.checkpoint(step)
                 if out_of_time:
                     break
         finally:
+            report.close()
             stop.set()
             with self.submit_lock:
                 self.submit_lock.notify_all()
             if producer is not None:
                 producer.join(timeout=cfg.orchestration.call_timeout_s)
-        return {"report": report, "last_step": step, "checkpoint": self.last_checkpoint, "first_step": first}
+        return {
+            "report": report,
+            "last_step": step,
+            "checkpoint": self.last_checkpoint,
+            "first_step": first,
+        }

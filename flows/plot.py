@@ -25,7 +25,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
 
     rows = read_metrics(run_dir)
     if not rows:
-        raise FileNotFoundError(f"no metrics in {run_dir / 'metrics.jsonl'}: has the run taken a step?")
+        raise FileNotFoundError(
+            f"no metrics in {run_dir / 'metrics.jsonl'}: has the run taken a step?"
+        )
     out = out or run_dir / "curves.png"
     fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
     for ax, keys, title in ((ax_r, REWARD_KEYS, "reward"), (ax_k, KL_KEYS, "KL")):

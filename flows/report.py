@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -41,8 +42,19 @@ def artifact_key(name: str, suffix: str) -> str:
 class RunReport:
     """Appends metrics and keeps the run's Prefect artifacts up to date."""
 
-    def __init__(self, run_dir: Path, name: str, total_steps: int, *, start_step: int) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        name: str,
+        total_steps: int,
+        *,
+        start_step: int,
+        progress_bar: bool = True,
+    ) -> None:
         self.run_dir = run_dir
+        self.bar: Any = None
+        self.bar_task: Any = None
+        self.want_bar = progress_bar
         self.name = name
         self.total = total_steps
         self.path = run_dir / "metrics.jsonl"
@@ -64,23 +76,72 @@ class RunReport:
             key=artifact_key(self.name, "progress"),
             description=f"ppoflow run {self.name}: steps done / {self.total}",
         )
+        if self.want_bar and sys.stderr.isatty():
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                transient=False,
+            )
+            self.bar.start()
+            self.bar_task = self.bar.add_task(self.name, total=self.total, completed=step, info="")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: v for k, v in metrics.items() if math.isfinite(v)}}
         self.rows.append(row)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
-        table = [{c: (round(r[c], 5) if isinstance(r.get(c), float) else r.get(c)) for c in TABLE_COLUMNS} for r in self.rows]
+        table = [
+            {
+                c: (round(r[c], 5) if isinstance(r.get(c), float) else r.get(c))
+                for c in TABLE_COLUMNS
+            }
+            for r in self.rows
+        ]
         create_table_artifact(
-            table=table, key=artifact_key(self.name, "metrics"), description=f"per-step metrics of run {self.name}"
+            table=table,
+            key=artifact_key(self.name, "metrics"),
+            description=f"per-step metrics of run {self.name}",
         )
         if self.progress_id is not None:
             update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
+        self._show(step, row)
         emit_event(
             event=ITERATION_EVENT,
-            resource={"prefect.resource.id": f"ppoflow.run.{self.name}", "prefect.resource.name": self.name},
+            resource={
+                "prefect.resource.id": f"ppoflow.run.{self.name}",
+                "prefect.resource.name": self.name,
+            },
             payload={"step": step, "metrics": row},
         )
+
+    def _show(self, step: int, row: dict[str, Any]) -> None:
+        keys = (
+            ("score", "critic/score/mean"),
+            ("acc", "eval/rule_accuracy"),
+            ("kl", "actor/ppo_kl"),
+            ("s", "timing_s/step"),
+        )
+        info = " ".join(f"{short}={row[k]:.3f}" for short, k in keys if k in row)
+        if self.bar is not None:
+            self.bar.update(self.bar_task, completed=step + 1, info=info)
+        else:
+            print(f"[{self.name}] step {step + 1}/{self.total} {info}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
 
     def summary(self, *, plot: Path | None, checkpoint: Path | None, extra: dict[str, Any]) -> str:
         first = next((r for r in self.rows if "eval/rule_accuracy" in r), None)
@@ -98,6 +159,8 @@ class RunReport:
         if checkpoint is not None:
             lines += [f"| checkpoint | `{checkpoint.resolve()}` |"]
         text = "\n".join(lines) + "\n"
-        create_markdown_artifact(markdown=text, key=artifact_key(self.name, "summary"), description="run summary")
+        create_markdown_artifact(
+            markdown=text, key=artifact_key(self.name, "summary"), description="run summary"
+        )
         (self.run_dir / "summary.md").write_text(text)
         return text

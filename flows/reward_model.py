@@ -68,13 +68,17 @@ def sft(cfg: TrainConfig, assets: dict[str, str], out: Path) -> dict[str, float]
 
 
 @task(name="train-reward-model", cache_policy=NO_CACHE)
-def reward_model(cfg: TrainConfig, assets: dict[str, str], sft_dir: Path, out: Path) -> dict[str, float]:
+def reward_model(
+    cfg: TrainConfig, assets: dict[str, str], sft_dir: Path, out: Path
+) -> dict[str, float]:
     from infra.pretrain import RewardModelSettings, train_reward_model
 
     done = _report(out / "report.json")
     if done is not None:
         return done
-    settings = RewardModelSettings(steps=cfg.warmstart.rm_steps, max_seconds=cfg.warmstart.rm_max_seconds)
+    settings = RewardModelSettings(
+        steps=cfg.warmstart.rm_steps, max_seconds=cfg.warmstart.rm_max_seconds
+    )
     report = train_reward_model(
         init_path=sft_dir,
         tokenizer_path=Path(assets["tokenizer"]),
@@ -122,7 +126,11 @@ def reward_model_flow(config: TrainConfig = TrainConfig()) -> ResolvedModels:  #
                 )
         else:
             rm_path = assets["reward_model"]
-    logger.info("warm start: sft held-out accuracy=%s, reward-model held-out pair accuracy=%s", sft_acc, rm_acc)
+    logger.info(
+        "warm start: sft held-out accuracy=%s, reward-model held-out pair accuracy=%s",
+        sft_acc,
+        rm_acc,
+    )
     create_markdown_artifact(
         key="reward-model",
         markdown=(

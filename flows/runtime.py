@@ -96,7 +96,9 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
         # 1. Training pool (colocated roles take turns on each of its bundles).
         train_pool = create_pool("train", res.num_workers, accelerator=res.accelerator_resource)
         pools.append(train_pool)
-        train = WorkerGroup(train_pool, _spec(cfg, models, _train_roles(cfg)), call_timeout_s=timeout)
+        train = WorkerGroup(
+            train_pool, _spec(cfg, models, _train_roles(cfg)), call_timeout_s=timeout
+        )
         # 2. Optional own pools for the reward model and the rollout.
         reward = rollout = train
         if own_reward:
@@ -117,4 +119,11 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
 
             ray.shutdown()
         raise
-    return Runtime(store=store, train_group=train, reward_group=reward, rollout_group=rollout, pools=pools, started_ray=started)
+    return Runtime(
+        store=store,
+        train_group=train,
+        reward_group=reward,
+        rollout_group=rollout,
+        pools=pools,
+        started_ray=started,
+    )

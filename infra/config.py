@@ -219,6 +219,11 @@ class TrainerConfig(_Section):
     resume: Literal["auto", "never"] = Field(
         "auto", description="'auto' continues from the latest checkpoint in run_dir."
     )
+    steps_per_run: int | None = Field(
+        None,
+        ge=1,
+        description="At most this many steps per flow run; a scheduled deployment then continues one run.",
+    )
     progress_bar: bool = Field(True, description="Terminal progress bar.")
 
 

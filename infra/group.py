@@ -85,10 +85,17 @@ class WorkerGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """The same call on every worker."""
-        return list(self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], method))
+        return list(
+            self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], method)
+        )
 
-    def call_sharded(self, method: str, shards: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-        refs = [getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, shards, strict=True)]
+    def call_sharded(
+        self, method: str, shards: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> list[Any]:
+        refs = [
+            getattr(w, method).remote(*a, **k)
+            for w, (a, k) in zip(self.workers, shards, strict=True)
+        ]
         return list(self.get(refs, method))
 
     def shutdown(self) -> None:

@@ -163,13 +163,20 @@ class PPOWorker:
         from transformers import AutoModelForTokenClassification
 
         path = self.spec.critic_path or self.spec.policy_path
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=self.dtype)
+        model = AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, dtype=self.dtype
+        )
         self.critic = self._make_trainable(model, self.spec.critic_optim)
         self.group.register("critic", self.critic)
 
     # ----------------------------------------------------------------- stage compute
     def ping(self) -> dict[str, Any]:
-        return {"rank": self.spec.rank, "roles": list(self.spec.roles), "pid": os.getpid(), "version": self.version}
+        return {
+            "rank": self.spec.rank,
+            "roles": list(self.spec.roles),
+            "pid": os.getpid(),
+            "version": self.version,
+        }
 
     def awake_roles(self) -> list[str]:
         return self.group.awake_roles()
@@ -194,18 +201,28 @@ class PPOWorker:
                 top_p=cfg.top_p,
                 seed=seed,
             )
-        return Jagged.from_rows(out.response_ids), Jagged.from_rows(out.rollout_logprobs), self.version
+        return (
+            Jagged.from_rows(out.response_ids),
+            Jagged.from_rows(out.rollout_logprobs),
+            self.version,
+        )
 
-    def score(self, prompts: Jagged, responses: Jagged, raw_prompt: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    def score(
+        self, prompts: Jagged, responses: Jagged, raw_prompt: list[Any]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Reward-model score per sample and whether its re-tokenised input was truncated."""
         with self.group.awake("reward"):
-            out = self.scorer.score(prompt_ids=prompts.rows(), response_ids=responses.rows(), raw_prompt=raw_prompt)
+            out = self.scorer.score(
+                prompt_ids=prompts.rows(), response_ids=responses.rows(), raw_prompt=raw_prompt
+            )
         return out.scores.float().numpy(), out.truncated.numpy()
 
     def _packed(self, prompts: Jagged, responses: Jagged) -> Any:
         from tasks.batching import pack_batch
 
-        return pack_batch(prompt_ids=prompts.rows(), response_ids=responses.rows(), pad_id=self.pad_id)
+        return pack_batch(
+            prompt_ids=prompts.rows(), response_ids=responses.rows(), pad_id=self.pad_id
+        )
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: Any, micro: int) -> Tensor:
@@ -214,8 +231,15 @@ class PPOWorker:
         outs = []
         for start in range(0, batch.input_ids.shape[0], micro):
             mb = batch.slice(start, start + micro)
-            logits = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.long().to(self.device)).logits
-            outs.append(gather_response_logprobs(logits=logits.float().cpu(), batch=mb, temperature=self._temperature))
+            logits = model(
+                input_ids=mb.input_ids.to(self.device),
+                attention_mask=mb.attention_mask.long().to(self.device),
+            ).logits
+            outs.append(
+                gather_response_logprobs(
+                    logits=logits.float().cpu(), batch=mb, temperature=self._temperature
+                )
+            )
         return torch.cat(outs)
 
     @property
@@ -229,7 +253,10 @@ class PPOWorker:
         outs = []
         for start in range(0, batch.input_ids.shape[0], micro):
             mb = batch.slice(start, start + micro)
-            logits = self.critic.model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.long().to(self.device)).logits
+            logits = self.critic.model(
+                input_ids=mb.input_ids.to(self.device),
+                attention_mask=mb.attention_mask.long().to(self.device),
+            ).logits
             outs.append(gather_response_values(values=logits[..., 0].float().cpu(), batch=mb))
         return torch.cat(outs)
 
@@ -243,10 +270,14 @@ class PPOWorker:
         micro = max(self.spec.actor_optim.micro_batch_size, 1)
         if "actor" in self.spec.roles:
             with self.group.awake("actor"):
-                out["old_logprobs"] = Jagged.from_rows(unpad(self._logprobs(self.actor.model, batch, micro), lengths))
+                out["old_logprobs"] = Jagged.from_rows(
+                    unpad(self._logprobs(self.actor.model, batch, micro), lengths)
+                )
         if "ref" in self.spec.roles:
             with self.group.awake("ref"):
-                out["ref_logprobs"] = Jagged.from_rows(unpad(self._logprobs(self.ref.model, batch, micro), lengths))
+                out["ref_logprobs"] = Jagged.from_rows(
+                    unpad(self._logprobs(self.ref.model, batch, micro), lengths)
+                )
         if "critic" in self.spec.roles:
             with self.group.awake("critic"):
                 out["values"] = Jagged.from_rows(unpad(self._values(batch, micro), lengths))
@@ -278,9 +309,8 @@ class PPOWorker:
         global_seqs: int,
     ) -> dict[str, float]:
         """One PPO update of the actor (and critic) on this worker's shard."""
-        from tasks.update.optimize import actor_update, critic_update
-
         from infra.trainer_settings import actor_settings, critic_settings
+        from tasks.update.optimize import actor_update, critic_update
 
         batch = self._packed(prompts, responses)
         width = batch.response_mask.shape[1]
@@ -346,7 +376,11 @@ class PPOWorker:
         out.mkdir(parents=True, exist_ok=True)
         state: dict[str, Any] = {
             "version": self.version,
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
         }
         if "actor" in self.spec.roles:
             if self.spec.rank == 0:
@@ -368,13 +402,17 @@ class PPOWorker:
         src = Path(path)
         state = torch.load(src / f"worker-{self.spec.rank}.pt", weights_only=False)
         if "actor" in self.spec.roles:
-            self.actor.model.load_state_dict(load_file(src / "actor" / "model.safetensors"), strict=True)
+            self.actor.model.load_state_dict(
+                load_file(src / "actor" / "model.safetensors"), strict=True
+            )
             self.actor.optimizer.load_state_dict(state["actor_optimizer"])
             self.actor.scheduler.load_state_dict(state["actor_scheduler"])
             if "rollout" in self.spec.roles:
                 self.engine.load_weights(self.actor.model.state_dict())
         if "critic" in self.spec.roles:
-            self.critic.model.load_state_dict(load_file(src / "critic" / "model.safetensors"), strict=True)
+            self.critic.model.load_state_dict(
+                load_file(src / "critic" / "model.safetensors"), strict=True
+            )
             self.critic.optimizer.load_state_dict(state["critic_optimizer"])
             self.critic.scheduler.load_state_dict(state["critic_scheduler"])
         torch.set_rng_state(state["rng"]["torch"])

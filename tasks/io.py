@@ -26,7 +26,9 @@ def to_plain(value: Any) -> Any:
 
 def read(ctx: StageContext, meta: BatchMeta, fields: tuple[str, ...]) -> dict[str, Any]:
     """Get ``fields`` for ``meta.keys``; waits up to ``store.get_timeout_s`` for stalled producers."""
-    td = ctx.store.kv_batch_get(list(meta.keys), meta.partition_id, list(fields), timeout=ctx.get_timeout)
+    td = ctx.store.kv_batch_get(
+        list(meta.keys), meta.partition_id, list(fields), timeout=ctx.get_timeout
+    )
     return {name: to_plain(td[name]) for name in fields}
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from torch import Tensor

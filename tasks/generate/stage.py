@@ -35,7 +35,9 @@ def submit_prompts(ctx: StageContext, *, partition_id: str, rows: list[Any]) -> 
     n = ctx.cfg.rollout.n
     ids = [
         torch.tensor(
-            ctx.tokenizer.apply_chat_template(row.raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False),
+            ctx.tokenizer.apply_chat_template(
+                row.raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            ),
             dtype=torch.int64,
         )
         for row in rows
@@ -67,7 +69,8 @@ def _generate_one(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     shards = split(len(prompts), group.size)
     seed = generation_seed(ctx.cfg.seed, step)
     outs = group.call_sharded(
-        "generate", [((take(prompts, sl),), {"n": n, "seed": seed + rank}) for rank, sl in enumerate(shards)]
+        "generate",
+        [((take(prompts, sl),), {"n": n, "seed": seed + rank}) for rank, sl in enumerate(shards)],
     )
     responses = concat([o[0] for o in outs])
     logprobs = concat([o[1] for o in outs])

@@ -35,7 +35,8 @@ def logprobs(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     # 2. Forward passes on the training workers, sharded by sample.
     group = ctx.train_group
     outs = group.call_sharded(
-        "forward", [((take(prompts, sl), take(responses, sl)), {}) for sl in split(len(prompts), group.size)]
+        "forward",
+        [((take(prompts, sl), take(responses, sl)), {}) for sl in split(len(prompts), group.size)],
     )
     # 3. Write the fields this configuration produces.
     return write(ctx, meta, {name: concat([o[name] for o in outs]) for name in writes(ctx)})

@@ -17,7 +17,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.group import concat, split, take
+from infra.group import split, take
 from infra.transport import Jagged
 from storage import BatchMeta
 from tasks.context import StageContext
