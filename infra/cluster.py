@@ -46,7 +46,7 @@ def ensure_ray(res: ResourcesConfig, *, pools_devices: int) -> bool:
         num_cpus=res.num_cpus or max(2, os.cpu_count() or 2),
         resources=resources,
         include_dashboard=False,
-        _temp_dir=tempfile.mkdtemp(prefix="rp", dir="/tmp"),
+        _temp_dir=tempfile.mkdtemp(prefix="rp"),  # honours TMPDIR; keep it short (socket paths)
         log_to_driver=True,
         configure_logging=False,
     )

@@ -140,7 +140,9 @@ class PPOWorker:
             model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, eps=1e-8
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_lambda(optim.warmup_steps))
-        return TrainableModel(model, optimizer, scheduler=scheduler, device=self.spec.device)
+        trainable = TrainableModel(model, optimizer, device=self.spec.device)
+        trainable.scheduler = scheduler  # type: ignore[attr-defined]
+        return trainable
 
     def _build_actor(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -253,7 +255,7 @@ class PPOWorker:
         outs = []
         for start in range(0, batch.input_ids.shape[0], micro):
             mb = batch.slice(start, start + micro)
-            logits = self.critic.model(
+            logits = self.critic.module(
                 input_ids=mb.input_ids.to(self.device),
                 attention_mask=mb.attention_mask.long().to(self.device),
             ).logits
@@ -271,44 +273,43 @@ class PPOWorker:
         if "actor" in self.spec.roles:
             with self.group.awake("actor"):
                 out["old_logprobs"] = Jagged.from_rows(
-                    unpad(self._logprobs(self.actor.model, batch, micro), lengths)
+                    unpad(self._logprobs(self.actor.module, batch, micro), lengths)
                 )
         if "ref" in self.spec.roles:
             with self.group.awake("ref"):
                 out["ref_logprobs"] = Jagged.from_rows(
-                    unpad(self._logprobs(self.ref.model, batch, micro), lengths)
+                    unpad(self._logprobs(self.ref.module, batch, micro), lengths)
                 )
         if "critic" in self.spec.roles:
             with self.group.awake("critic"):
                 out["values"] = Jagged.from_rows(unpad(self._values(batch, micro), lengths))
         return out
 
-    def _grad_reducer(self):  # noqa: ANN202 - returns a callable or None
+    def _global_units(self, batch: Any, mini_batch_size: int, agg: str) -> list[float] | None:
+        """Each mini-batch's loss denominator summed over data-parallel workers (None: one worker)."""
         if self.spec.world_size == 1:
             return None
         import torch.distributed as dist
 
-        def reduce(model: torch.nn.Module) -> None:
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        from tasks.update.optimize import count_minibatch_units
 
-        return reduce
+        units = torch.tensor(
+            count_minibatch_units(response_mask=batch.response_mask, mini_batch_size=mini_batch_size, agg=agg),
+            dtype=torch.float64,
+        )
+        dist.all_reduce(units, op=dist.ReduceOp.SUM)
+        return units.tolist()
 
-    def update(
-        self,
-        prompts: Jagged,
-        responses: Jagged,
-        fields: dict[str, Jagged],
-        *,
-        global_tokens: int,
-        global_seqs: int,
-    ) -> dict[str, float]:
-        """One PPO update of the actor (and critic) on this worker's shard."""
+    def _reducer(self) -> Any:
+        if self.spec.world_size == 1:
+            return None
+        from tasks.update.optimize import sync_gradients
+
+        world = self.spec.world_size
+        return lambda model: sync_gradients(model, world)
+
+    def update(self, prompts: Jagged, responses: Jagged, fields: dict[str, Jagged]) -> dict[str, float]:
+        """One PPO update of the actor (and critic) on this worker's shard of the batch."""
         from infra.trainer_settings import actor_settings, critic_settings
         from tasks.update.optimize import actor_update, critic_update
 
@@ -319,48 +320,51 @@ class PPOWorker:
             return fields[name].padded(width=width).float()
 
         metrics: dict[str, float] = {}
-        reducer = self._grad_reducer()
+        acfg = actor_settings(self.spec)
+        units = self._global_units(batch, acfg.mini_batch_size, acfg.agg)
         with self.group.awake("actor"):
             metrics.update(
                 actor_update(
-                    model=self.actor.model,
+                    model=self.actor.module,
                     optimizer=self.actor.optimizer,
                     scheduler=self.actor.scheduler,
                     batch=batch,
                     old_logprobs=padded("old_logprobs"),
                     advantages=padded("advantages"),
                     ref_logprobs=padded("ref_logprobs") if "ref_logprobs" in fields else None,
-                    cfg=actor_settings(self.spec),
-                    grad_reducer=reducer,
-                    global_tokens=global_tokens,
-                    global_seqs=global_seqs,
+                    cfg=acfg,
+                    grad_reducer=self._reducer(),
+                    global_tokens=units,
+                    global_seqs=units,
                 )
             )
         if "critic" in self.spec.roles:
+            ccfg = critic_settings(self.spec)
+            units = self._global_units(batch, ccfg.mini_batch_size, ccfg.agg)
             with self.group.awake("critic"):
                 metrics.update(
                     critic_update(
-                        model=self.critic.model,
+                        model=self.critic.module,
                         optimizer=self.critic.optimizer,
                         scheduler=self.critic.scheduler,
                         batch=batch,
                         old_values=padded("values"),
                         returns=padded("returns"),
-                        cfg=critic_settings(self.spec),
-                        grad_reducer=reducer,
-                        global_tokens=global_tokens,
-                        global_seqs=global_seqs,
+                        cfg=ccfg,
+                        grad_reducer=self._reducer(),
+                        global_tokens=units,
+                        global_seqs=units,
                     )
                 )
         self.version += 1
         if "rollout" in self.spec.roles:
-            self.engine.load_weights(self.actor.model.state_dict())
+            self.engine.load_weights(self.actor.module.state_dict())
         return metrics
 
     # ----------------------------------------------------------------- weights and checkpoints
     def policy_state(self) -> dict[str, np.ndarray]:
         """The actor's weights as numpy arrays (zero-copy through Ray) for another pool's engine."""
-        return {k: v.detach().cpu().numpy() for k, v in self.actor.model.state_dict().items()}
+        return {k: v.detach().cpu().numpy() for k, v in self.actor.module.state_dict().items()}
 
     def load_policy(self, state: dict[str, np.ndarray], version: int) -> None:
         self.engine.load_weights({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
@@ -368,7 +372,7 @@ class PPOWorker:
 
     def parameters_digest(self) -> dict[str, float]:
         """Per-tensor sums of the actor's weights (tests compare runs with these)."""
-        return {k: float(v.double().sum()) for k, v in self.actor.model.state_dict().items()}
+        return {k: float(v.double().sum()) for k, v in self.actor.module.state_dict().items()}
 
     def save_checkpoint(self, path: str) -> None:
         """Models (save_pretrained), optimizer and scheduler states, RNG states of this worker."""
@@ -384,13 +388,13 @@ class PPOWorker:
         }
         if "actor" in self.spec.roles:
             if self.spec.rank == 0:
-                self.actor.model.save_pretrained(out / "actor", safe_serialization=True)
+                self.actor.module.save_pretrained(out / "actor", safe_serialization=True)
                 self.tokenizer.save_pretrained(out / "actor")
             state["actor_optimizer"] = self.actor.optimizer.state_dict()
             state["actor_scheduler"] = self.actor.scheduler.state_dict()
         if "critic" in self.spec.roles:
             if self.spec.rank == 0:
-                self.critic.model.save_pretrained(out / "critic", safe_serialization=True)
+                self.critic.module.save_pretrained(out / "critic", safe_serialization=True)
             state["critic_optimizer"] = self.critic.optimizer.state_dict()
             state["critic_scheduler"] = self.critic.scheduler.state_dict()
         torch.save(state, out / f"worker-{self.spec.rank}.pt")
@@ -402,15 +406,15 @@ class PPOWorker:
         src = Path(path)
         state = torch.load(src / f"worker-{self.spec.rank}.pt", weights_only=False)
         if "actor" in self.spec.roles:
-            self.actor.model.load_state_dict(
+            self.actor.module.load_state_dict(
                 load_file(src / "actor" / "model.safetensors"), strict=True
             )
             self.actor.optimizer.load_state_dict(state["actor_optimizer"])
             self.actor.scheduler.load_state_dict(state["actor_scheduler"])
             if "rollout" in self.spec.roles:
-                self.engine.load_weights(self.actor.model.state_dict())
+                self.engine.load_weights(self.actor.module.state_dict())
         if "critic" in self.spec.roles:
-            self.critic.model.load_state_dict(
+            self.critic.module.load_state_dict(
                 load_file(src / "critic" / "model.safetensors"), strict=True
             )
             self.critic.optimizer.load_state_dict(state["critic_optimizer"])

@@ -67,7 +67,7 @@ def ray_local(session_tmp: Path) -> Iterator[object]:
     ray.init(
         address="local",
         num_cpus=4,
-        resources={"gpu_slot": 2},
+        resources={"gpu_slot": 4},
         include_dashboard=False,
         _temp_dir=str(ray_tmp),
         log_to_driver=False,
@@ -88,3 +88,22 @@ def prefect_harness(session_tmp: Path) -> Iterator[None]:
     with prefect_test_harness(server_startup_timeout=120):
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield
+
+
+@pytest.fixture(scope="session")
+def assets(session_tmp: Path) -> object:
+    """Tiny tokenizer, models and dataset, built once per session and loaded with from_pretrained."""
+    from infra.assets import build_tiny_assets
+
+    return build_tiny_assets(session_tmp / "assets", seed=0)
+
+
+@pytest.fixture()
+def tiny_overrides(assets: object, tmp_path: Path) -> list[str]:
+    """CLI-style overrides that point a tiny run at the session's assets (no warm start)."""
+    return [
+        f"models.assets_dir={assets.root}",  # type: ignore[attr-defined]
+        "warmstart.enabled=false",
+        f"run_dir={tmp_path / 'run'}",
+        "resources.num_cpus=4",
+    ]

@@ -44,14 +44,10 @@ def update(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     data = read(ctx, meta, names)
     prompts, responses = data["prompt_ids"], data["response_ids"]
     fields = {k: data[k] for k in names if k not in ("prompt_ids", "response_ids")}
-    # 2. Update on every worker with its shard; global counts keep the update worker-count invariant.
+    # 2. Update on every worker with its shard (workers normalise by global counts themselves).
     group = ctx.train_group
-    totals = {"global_tokens": int(responses.offsets[-1]), "global_seqs": len(responses)}
     shards = [
-        (
-            (take(prompts, sl), take(responses, sl), {k: take(v, sl) for k, v in fields.items()}),
-            totals,
-        )
+        ((take(prompts, sl), take(responses, sl), {k: take(v, sl) for k, v in fields.items()}), {})
         for sl in split(len(prompts), group.size)
     ]
     results = group.call_sharded("update", shards)

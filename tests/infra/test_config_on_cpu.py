@@ -1,0 +1,66 @@
+"""The typed config tree: defaults, YAML + overrides, and errors that name the setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.config import ConfigError, TrainConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_every_shipped_config_validates() -> None:
+    names = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+    assert {"default", "grpo", "ppo", "rloo", "tiny"} <= set(names)
+    for name in names:
+        cfg = load_config(CONFIGS / f"{name}.yaml")
+        assert cfg.batch_size == cfg.rollout.prompts_per_step * cfg.rollout.n
+
+
+def test_overrides_are_parsed_as_yaml_scalars_and_nested() -> None:
+    cfg = load_config(CONFIGS / "tiny.yaml", ["trainer.total_steps=7", "algorithm.kl.coef=0.05", "resources.mode=colocate_async"])
+    assert cfg.trainer.total_steps == 7
+    assert cfg.algorithm.kl.coef == pytest.approx(0.05)
+    assert cfg.resources.mode == "colocate_async"
+    assert cfg.rollout.n == 4  # from the file, untouched
+
+
+def test_ppo_config_uses_a_critic_and_reference() -> None:
+    cfg = load_config(CONFIGS / "ppo.yaml")
+    assert cfg.algorithm.use_critic and cfg.algorithm.use_reference
+    assert not TrainConfig().algorithm.use_critic
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("rollout.n=0", "rollout.n"),
+        ("actor.micro_batch_size=7", "micro_batch_size"),
+        ("algorithm.estimator=ppo2", "algorithm.estimator"),
+        ("trainer.no_such_field=1", "trainer.no_such_field"),
+    ],
+)
+def test_bad_values_name_the_field(override: str, names: str) -> None:
+    with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_separate_async_refuses_a_colocated_reward_model_before_taking_resources() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["resources.mode=separate_async"])
+    message = str(info.value)
+    assert "reward.pool='own'" in message and "separate_async" in message
+    cfg = load_config(None, ["resources.mode=separate_async", "reward.pool=own"])
+    assert cfg.reward.pool == "own"
+
+
+def test_malformed_override_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["trainer.total_steps"])
+
+
+def test_batch_must_split_over_workers() -> None:
+    with pytest.raises(ConfigError, match="num_workers"):
+        load_config(None, ["rollout.prompts_per_step=3", "rollout.n=1", "resources.num_workers=2"])
