@@ -20,7 +20,9 @@ def actor_settings(spec: Any) -> ActorUpdateSettings:
     return ActorUpdateSettings(
         ppo_epochs=opt.ppo_epochs,
         mini_batch_size=_local(opt.mini_batch_size, world),
-        micro_batch_size=min(_local(opt.micro_batch_size, world), _local(opt.mini_batch_size, world)),
+        micro_batch_size=min(
+            _local(opt.micro_batch_size, world), _local(opt.mini_batch_size, world)
+        ),
         clip_low=opt.clip_low,
         clip_high=opt.clip_high,
         dual_clip=opt.dual_clip,
@@ -38,7 +40,9 @@ def critic_settings(spec: Any) -> CriticUpdateSettings:
     return CriticUpdateSettings(
         ppo_epochs=opt.ppo_epochs,
         mini_batch_size=_local(opt.mini_batch_size, world),
-        micro_batch_size=min(_local(opt.micro_batch_size, world), _local(opt.mini_batch_size, world)),
+        micro_batch_size=min(
+            _local(opt.micro_batch_size, world), _local(opt.mini_batch_size, world)
+        ),
         clip_range=opt.value_clip,
         agg=opt.loss_agg,
         max_grad_norm=opt.max_grad_norm,

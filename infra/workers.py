@@ -91,7 +91,7 @@ class PPOWorker:
             if role not in ROLES:
                 raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
             getattr(self, f"_build_{role}")()
-        self.group.put_all_to_sleep()
+            self.group.put_all_to_sleep()  # models load awake; each waits asleep for its turn
 
     # ----------------------------------------------------------------- building roles
     def _init_distributed(self) -> None:
@@ -140,9 +140,7 @@ class PPOWorker:
             model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, eps=1e-8
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_lambda(optim.warmup_steps))
-        trainable = TrainableModel(model, optimizer, device=self.spec.device)
-        trainable.scheduler = scheduler  # type: ignore[attr-defined]
-        return trainable
+        return TrainableModel(model, optimizer, device=self.spec.device, scheduler=scheduler)
 
     def _build_actor(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -184,8 +182,8 @@ class PPOWorker:
         return self.group.awake_roles()
 
     def timing(self) -> dict[str, float]:
-        stats = dict(self.group.stats)
-        return stats
+        """Wake/sleep seconds per role since the last call (``timing_s/wake/<role>`` ...)."""
+        return self.group.pop_stats()
 
     def generate(
         self, prompts: Jagged, *, n: int, seed: int, temperature: float | None = None
@@ -294,7 +292,9 @@ class PPOWorker:
         from tasks.update.optimize import count_minibatch_units
 
         units = torch.tensor(
-            count_minibatch_units(response_mask=batch.response_mask, mini_batch_size=mini_batch_size, agg=agg),
+            count_minibatch_units(
+                response_mask=batch.response_mask, mini_batch_size=mini_batch_size, agg=agg
+            ),
             dtype=torch.float64,
         )
         dist.all_reduce(units, op=dist.ReduceOp.SUM)
@@ -308,7 +308,9 @@ class PPOWorker:
         world = self.spec.world_size
         return lambda model: sync_gradients(model, world)
 
-    def update(self, prompts: Jagged, responses: Jagged, fields: dict[str, Jagged]) -> dict[str, float]:
+    def update(
+        self, prompts: Jagged, responses: Jagged, fields: dict[str, Jagged]
+    ) -> dict[str, float]:
         """One PPO update of the actor (and critic) on this worker's shard of the batch."""
         from infra.trainer_settings import actor_settings, critic_settings
         from tasks.update.optimize import actor_update, critic_update

@@ -1,0 +1,54 @@
+"""Rollout engines: one ``GenerationEngine`` interface, a transformers and a vLLM backend.
+
+``make_engine("hf", path)`` works everywhere (CPU or GPU); ``make_engine("vllm", path)`` needs
+vLLM on a CUDA machine and says so when it is missing. Backends are imported on demand, so
+importing this package never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from infra.engines.base import (
+    EngineAsleepError,
+    GenerationEngine,
+    GenerationOutput,
+    Sleepable,
+)
+from infra.engines.vllm_engine import VLLMUnavailableError, is_vllm_available
+
+__all__ = [
+    "EngineAsleepError",
+    "GenerationEngine",
+    "GenerationOutput",
+    "Sleepable",
+    "VLLMUnavailableError",
+    "is_vllm_available",
+    "make_engine",
+]
+
+EngineKind = Literal["hf", "vllm"]
+
+
+def make_engine(kind: EngineKind, model_path: str | Path, **kw: Any) -> GenerationEngine:
+    """Build the rollout engine ``kind`` for the model at ``model_path``.
+
+    ``kw`` goes to the backend: ``TransformersEngine(device=, dtype=, eos_token_id=,
+    pad_token_id=)`` or ``VLLMEngine(dtype=, gpu_memory_utilization=, ...)``.
+    Raises VLLMUnavailableError for ``"vllm"`` without vLLM, ValueError for an unknown kind.
+    """
+    if kind == "hf":
+        from infra.engines.hf import TransformersEngine
+
+        return TransformersEngine(model_path, **kw)
+    if kind == "vllm":
+        if not is_vllm_available():
+            raise VLLMUnavailableError(
+                "engine kind 'vllm' needs vLLM, which is not installed: install the 'gpu' extra "
+                "(pip install 'ppoflow[gpu]') on a CUDA machine, or set the engine kind to 'hf'"
+            )
+        from infra.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, **kw)
+    raise ValueError(f"unknown engine kind {kind!r}; expected 'hf' or 'vllm'")

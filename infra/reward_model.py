@@ -1,0 +1,209 @@
+"""The colocated reward model: one scalar score per (prompt, response) sample.
+
+``RewardScorer`` loads a sequence-classification reward model (``num_labels=1``) and its own
+tokenizer from one folder, and scores rollouts in one of two ways:
+
+- **same tokenizer** as the policy (equal vocabulary and special tokens, whatever the paths):
+  the policy's ``prompt_ids + response_ids`` are scored as they are;
+- **different tokenizer**: each response is decoded with the policy tokenizer (special tokens
+  skipped) and the conversation ``raw_prompt + [assistant: response]`` is rendered with the
+  reward model's own chat template and tokenised by its own tokenizer.
+
+Either way an input longer than ``max_length`` keeps its *end* (the response) and is flagged in
+``ScoreOutput.truncated``. Each row is scored at its last real token, found from the row lengths
+(never from pad ids, which breaks when pad == EOS, and never by indexing -1): we run the base
+model and apply the ``score`` head to that one hidden state. Architectures without a ``score``
+head fall back to the model's own pooled logits (which pool by pad id; documented limitation).
+An empty response is scored on the prompt alone. Non-finite scores are returned as they are;
+the score stage decides what to do with them (``tasks.score.find_nonfinite``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from infra.engines.base import ModuleResidency
+from tasks.score import lengths_to_mask
+
+__all__ = ["RewardScorer", "ScoreOutput", "tokenizers_match"]
+
+
+@dataclass(frozen=True)
+class ScoreOutput:
+    """``scores`` (B,) float32, one per sample; ``truncated`` (B,) bool: input cut to max_length."""
+
+    scores: Tensor
+    truncated: Tensor
+
+
+class RewardScorer:
+    """Scores rollouts with a colocated reward model; ``Sleepable`` like the rollout engines.
+
+    ``max_length`` defaults to the model's ``max_position_embeddings``. Rows are scored in
+    batches of ``batch_size`` (longest first, to pad little); outputs keep the input order.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        policy_tokenizer_path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 64,
+        max_length: int | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self._device = torch.device(device)
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=dtype)
+        if model.config.num_labels != 1:
+            raise ValueError(
+                f"reward model at {model_path} has num_labels={model.config.num_labels}; "
+                "a reward model must output one score (num_labels=1)"
+            )
+        self.model: PreTrainedModel = model.to(self._device).eval()
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_path)
+        self.policy_tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            policy_tokenizer_path
+        )
+        self.same_tokenizer = tokenizers_match(self.tokenizer, self.policy_tokenizer)
+        if not self.same_tokenizer and not self.tokenizer.chat_template:
+            raise ValueError(
+                f"the reward model's tokenizer ({model_path}) differs from the policy's and has no "
+                "chat_template to re-render conversations with: add one to its tokenizer_config"
+            )
+        self.max_length = max_length or int(model.config.max_position_embeddings)
+        self.batch_size = batch_size
+        pad = self.tokenizer.pad_token_id
+        self._pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+        self._has_score_head = isinstance(getattr(model, "score", None), torch.nn.Module) and (
+            model.base_model is not model
+        )
+        self._residency = ModuleResidency(self.model, self._device)
+
+    # -- Sleepable -----------------------------------------------------------------------------
+
+    @property
+    def is_awake(self) -> bool:
+        return self._residency.is_awake
+
+    def sleep(self) -> None:
+        """Release device memory (CUDA: weights to pinned CPU memory; CPU: flag only)."""
+        self._residency.sleep()
+
+    def wake_up(self) -> None:
+        """Bring the bit-identical weights back to the device."""
+        self._residency.wake_up()
+
+    # -- scoring -------------------------------------------------------------------------------
+
+    def score(
+        self, *, prompt_ids: list[Tensor], response_ids: list[Tensor], raw_prompt: Sequence[Any]
+    ) -> ScoreOutput:
+        """Score B samples: row b is ``prompt_ids[b]`` answered by ``response_ids[b]``.
+
+        ``raw_prompt[b]`` (chat messages or a plain string) is used only when the tokenizers
+        differ. Raises ValueError when the three lists disagree in length or when a row has
+        neither prompt nor response tokens (there is nothing to score).
+        """
+        self._residency.require_awake("RewardScorer.score()")
+        if not len(prompt_ids) == len(response_ids) == len(raw_prompt):
+            raise ValueError(
+                f"score() needs one row per sample: got {len(prompt_ids)} prompt_ids, "
+                f"{len(response_ids)} response_ids and {len(raw_prompt)} raw_prompt"
+            )
+        # 1. Build the reward model's input ids, one row per sample.
+        if self.same_tokenizer:
+            rows = [
+                torch.cat([p.long().cpu(), r.long().cpu()])
+                for p, r in zip(prompt_ids, response_ids)
+            ]
+        else:
+            rows = [self.render(raw, r) for raw, r in zip(raw_prompt, response_ids)]
+        # 2. Keep the end of over-long rows.
+        truncated = torch.tensor([row.numel() > self.max_length for row in rows], dtype=torch.bool)
+        rows = [row[-self.max_length :] for row in rows]
+        for index, row in enumerate(rows):
+            if row.numel() == 0:
+                raise ValueError(f"row {index}: empty prompt and empty response, nothing to score")
+        # 3. Score in batches, longest first; scatter back to the input order.
+        scores = torch.empty(len(rows), dtype=torch.float32)  # (B,)
+        order = sorted(range(len(rows)), key=lambda i: -rows[i].numel())
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            scores[chunk] = self._score_batch([rows[i] for i in chunk])
+        return ScoreOutput(scores=scores, truncated=truncated)
+
+    def render(self, raw_prompt: Any, response_ids: Tensor) -> Tensor:
+        """Re-tokenise one sample for the reward model: its chat template over the conversation
+        ``raw_prompt + [{"role": "assistant", "content": decoded response}]`` (1-D int64)."""
+        text = cast(
+            str, self.policy_tokenizer.decode(response_ids.tolist(), skip_special_tokens=True)
+        )
+        messages: list[dict[str, str]] = [
+            *_as_messages(raw_prompt),
+            {"role": "assistant", "content": text},
+        ]
+        ids = self.tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=False, return_dict=False
+        )
+        return torch.tensor(ids, dtype=torch.long)
+
+    @torch.inference_mode()
+    def _score_batch(self, rows: list[Tensor]) -> Tensor:
+        """Scores (b,) float32 on the CPU for right-padded rows, each at its last real token."""
+        lengths = torch.tensor([row.numel() for row in rows])  # (b,)
+        width = int(lengths.max())
+        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)  # (b, L)
+        for index, row in enumerate(rows):
+            input_ids[index, : row.numel()] = row
+        mask = lengths_to_mask(lengths, width)  # (b, L) bool, True = real token
+        input_ids, mask = input_ids.to(self._device), mask.to(self._device)
+        if not self._has_score_head:
+            logits = self.model(input_ids=input_ids, attention_mask=mask.long()).logits  # (b, 1)
+            return logits[:, 0].float().cpu()
+        hidden = self.model.base_model(
+            input_ids=input_ids, attention_mask=mask.long(), use_cache=False
+        ).last_hidden_state  # (b, L, H)
+        last = (lengths - 1).to(self._device)  # (b,) every row has >= 1 token
+        pooled = hidden[torch.arange(len(rows), device=self._device), last]  # (b, H)
+        head = cast(torch.nn.Module, self.model.score)
+        return head(pooled)[:, 0].float().cpu()
+
+
+def tokenizers_match(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """True when both map every token to the same id and share their special tokens."""
+    if a.get_vocab() != b.get_vocab():
+        return False
+    specials = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+    if any(getattr(a, name) != getattr(b, name) for name in specials):
+        return False
+    return sorted(a.all_special_ids) == sorted(b.all_special_ids)
+
+
+def _as_messages(raw_prompt: Any) -> list[dict[str, str]]:
+    """Chat messages from a raw prompt: a plain string becomes one user message."""
+    if isinstance(raw_prompt, str):
+        return [{"role": "user", "content": raw_prompt}]
+    messages = []
+    for message in raw_prompt:
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ValueError(
+                f"raw_prompt must be a string or chat messages with 'role' and 'content', "
+                f"got {message!r}"
+            )
+        messages.append({"role": str(message["role"]), "content": str(message["content"])})
+    return messages

@@ -1,0 +1,41 @@
+"""ppoflow's typed, partitioned key-value store (stands in for verl's TransferQueue).
+
+Stages never pass tensors to each other: each reads its inputs from and writes its outputs to a
+store, and passes only a `BatchMeta` handle on::
+
+    from storage import open_store
+    store = open_store("memory://")                       # embedded, in-process (the default)
+    meta = store.kv_batch_put(keys, "train/step-000001", {"prompt_ids": ids, "scores": s})
+    td = store.kv_batch_get(meta.keys, meta.partition_id, ["prompt_ids"], timeout=30)
+
+`ray://NAME?shards=2` puts the data in Ray actors that any process can open by name. Importing
+this package does not import Ray.
+"""
+
+from storage.base import DEFAULT_TIMEOUT_S, Store
+from storage.errors import (
+    ConflictError,
+    SchemaError,
+    StoreCorruptError,
+    StoreError,
+    StoreTimeout,
+)
+from storage.factory import open_store
+from storage.meta import BatchMeta
+from storage.schema import VOCABULARY, FieldSpec, declare_field, registered_spec
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "VOCABULARY",
+    "BatchMeta",
+    "ConflictError",
+    "FieldSpec",
+    "SchemaError",
+    "Store",
+    "StoreCorruptError",
+    "StoreError",
+    "StoreTimeout",
+    "declare_field",
+    "open_store",
+    "registered_spec",
+]

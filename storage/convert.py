@@ -1,0 +1,210 @@
+"""Conversions at the store's edge: what a stage puts -> `Column`s, and `Column`s -> a TensorDict.
+
+Accepted put values, per field kind:
+
+- dense: a tensor whose first dim is the batch;
+- jagged: a `torch.jagged` nested tensor, or a list of 1-D tensors (one per sample);
+- object: a list (or tensordict `NonTensorStack`) of JSON-like values: str, int, float, bool,
+  None, lists and str-keyed dicts of those (tuples and other types are refused, since they
+  would not come back as they went in).
+
+A get returns a TensorDict with `batch_size=[len(keys)]`: dense fields as tensors, jagged fields
+as `torch.jagged` nested tensors built over the gathered values buffer (`.offsets().diff()` gives
+the lengths), object fields as a `NonTensorStack` (`td[name]` is list-like, `.tolist()` the list).
+tensordict 0.15.3 keeps jagged nested tensors as plain entries whose batch dim is the NJT's dim 0:
+indexing, slicing, `select`, `clone`, `torch.cat` and pickling of such a TensorDict work, which is
+why jagged fields are returned as NJT entries rather than padded tensors or sub-tensordicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+
+from storage.columnar import (
+    Column,
+    decode_objects,
+    empty_column,
+    encode_objects,
+    numpy_from_tensor,
+)
+from storage.columnar import tensor_from_numpy as _tensor
+from storage.errors import SchemaError
+from storage.schema import FieldSpec
+
+SpecLookup = Callable[[str], FieldSpec | None]
+_JSON_SCALARS = (str, int, float)
+
+
+def _where(partition_id: str, name: str) -> str:
+    return f"partition {partition_id!r}, field {name!r}"
+
+
+def _json_problem(value: Any, path: str) -> str | None:
+    """None if `value` is JSON-like and comes back unchanged from JSON; else what is wrong."""
+    if value is None or isinstance(value, _JSON_SCALARS):
+        return None
+    if type(value) is list:
+        for i, item in enumerate(value):
+            problem = _json_problem(item, f"{path}[{i}]")
+            if problem:
+                return problem
+        return None
+    if type(value) is dict:
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{path} has a non-str key {key!r}"
+            problem = _json_problem(item, f"{path}[{key!r}]")
+            if problem:
+                return problem
+        return None
+    return f"{path} is a {type(value).__name__} (use str, int, float, bool, None, list or dict)"
+
+
+def _objects(rows: Sequence[Any], where: str) -> Column:
+    for i, row in enumerate(rows):
+        problem = _json_problem(row, f"row {i}")
+        if problem:
+            raise SchemaError(f"{where}: object values must be JSON-like; {problem}")
+    return encode_objects(rows)
+
+
+def _jagged_from_njt(value: Any, where: str) -> Column:
+    """Values and offsets of a `torch.jagged` nested tensor (typed Any: torch stubs lack NJT)."""
+    if value.dim() != 2:
+        raise SchemaError(
+            f"{where}: jagged rows must be 1-D, got a nested tensor of {value.dim()} dims"
+        )
+    if value.lengths() is not None:  # a view with holes: copy its rows out
+        return _jagged_from_rows(list(value.unbind()), where)
+    values = numpy_from_tensor(value.values())
+    offsets = numpy_from_tensor(value.offsets()).astype(np.int64, copy=False)
+    start, stop = int(offsets[0]), int(offsets[-1])
+    if start or stop != values.shape[0]:
+        values, offsets = values[start:stop], offsets - start
+    return Column(FieldSpec.jagged(value.dtype), values, offsets)
+
+
+def _jagged_from_rows(rows: Sequence[torch.Tensor], where: str) -> Column:
+    dtype = rows[0].dtype
+    for i, row in enumerate(rows):
+        if row.dim() != 1 or row.dtype != dtype:
+            raise SchemaError(
+                f"{where}: jagged rows must be 1-D tensors of one dtype; row 0 is {dtype}, "
+                f"row {i} is {row.dtype} of shape {tuple(row.shape)}"
+            )
+    offsets = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(np.fromiter((row.shape[0] for row in rows), np.int64, len(rows)), out=offsets[1:])
+    values = np.concatenate([numpy_from_tensor(row) for row in rows])
+    return Column(FieldSpec.jagged(dtype), values, offsets, owned=True)
+
+
+def _from_list(value: Sequence[Any], expected: FieldSpec | None, where: str) -> Column:
+    tensors = [isinstance(item, torch.Tensor) for item in value]
+    if value and all(tensors):
+        return _jagged_from_rows(value, where)
+    if expected is not None and expected.kind != "object":
+        kind = "a torch.jagged nested tensor or a list of 1-D tensors"
+        if expected.kind == "dense":
+            kind = "a tensor with the batch as first dim"
+        raise SchemaError(f"{where}: a {expected.describe()} field takes {kind}, got a list")
+    if any(tensors):
+        raise SchemaError(f"{where}: a list mixing tensors and other values is not a field")
+    return _objects(value, where)
+
+
+def _to_column(value: Any, expected: FieldSpec | None, where: str) -> Column:
+    if isinstance(value, torch.Tensor):
+        if value.is_nested and value.layout == torch.jagged:
+            return _jagged_from_njt(value, where)
+        if value.is_nested:
+            return _jagged_from_rows(list(value.unbind()), where)
+        if value.dim() == 0:
+            raise SchemaError(f"{where}: a dense field needs the batch as first dim, got a scalar")
+        spec = FieldSpec.dense(value.dtype, tuple(value.shape[1:]))
+        return Column(spec, numpy_from_tensor(value))
+    if isinstance(value, (NonTensorStack, NonTensorData)):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return _from_list(value, expected, where)
+    raise SchemaError(
+        f"{where}: unsupported value of type {type(value).__name__}; put a tensor (dense), "
+        "a torch.jagged nested tensor or list of 1-D tensors (jagged), or a list (objects)"
+    )
+
+
+def to_column(value: Any, n_rows: int, expected: FieldSpec | None, where: str) -> Column:
+    """Converts one put value to a column, checking kind, dtype, shape and row count.
+
+    The column may share memory with `value`: the store copies what it keeps.
+    """
+    if n_rows == 0 and isinstance(value, (list, tuple)) and not value:
+        if expected is None:
+            raise SchemaError(f"{where}: cannot infer a spec from 0 rows; declare the field first")
+        return empty_column(expected)
+    column = _to_column(value, expected, where)
+    if expected is not None and column.spec != expected:
+        raise SchemaError(
+            f"{where}: expected {expected.describe()}, got {column.spec.describe()}; "
+            "convert the value or put it under another field name"
+        )
+    if column.n_rows != n_rows:
+        raise SchemaError(f"{where}: {column.n_rows} rows for {n_rows} keys; give one row per key")
+    return column
+
+
+def to_columns(
+    fields: Mapping[str, Any] | TensorDictBase,
+    n_rows: int,
+    partition_id: str,
+    expected: SpecLookup,
+) -> dict[str, Column]:
+    """Converts every field of a put; raises SchemaError on the first bad one."""
+    if not isinstance(fields, (Mapping, TensorDictBase)):
+        raise SchemaError(
+            f"partition {partition_id!r}: fields must be a dict or TensorDict, got {type(fields).__name__}"
+        )
+    names = list(fields.keys())
+    if not names:
+        raise SchemaError(f"partition {partition_id!r}: a put needs at least one field")
+    columns = {}
+    for name in names:
+        if not isinstance(name, str) or not name or name.startswith("__"):
+            raise SchemaError(
+                f"partition {partition_id!r}: field names are non-empty str not starting with "
+                f"'__', got {name!r}"
+            )
+        value = fields.get(name) if isinstance(fields, TensorDictBase) else fields[name]
+        if isinstance(value, TensorDictBase) and not isinstance(value, NonTensorStack):
+            raise SchemaError(f"{_where(partition_id, name)}: nested TensorDicts are not fields")
+        columns[name] = to_column(value, n_rows, expected(name), _where(partition_id, name))
+    return columns
+
+
+def to_torch(column: Column) -> Any:
+    """The TensorDict entry of a column; the column's buffers must be fresh (they are shared)."""
+    spec = column.spec
+    if spec.kind == "object":
+        return NonTensorStack(*decode_objects(column)) if column.n_rows else NonTensorStack()
+    assert spec.dtype is not None
+    values = _tensor(column.values, spec.dtype)
+    if column.offsets is None:
+        return values
+    lengths = column.lengths()
+    if not lengths.size:
+        return torch.nested.nested_tensor_from_jagged(values, torch.from_numpy(column.offsets))
+    return torch.nested.nested_tensor_from_jagged(
+        values,
+        torch.from_numpy(column.offsets),
+        min_seqlen=int(lengths.min()),
+        max_seqlen=int(lengths.max()),
+    )
+
+
+def to_tensordict(columns: Mapping[str, Column], n_rows: int) -> TensorDict:
+    """A TensorDict with `batch_size=[n_rows]` holding each column."""
+    return TensorDict({name: to_torch(col) for name, col in columns.items()}, batch_size=[n_rows])

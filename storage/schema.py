@@ -1,0 +1,183 @@
+"""Field specs and the field vocabulary shared by every stage.
+
+A field is one named column of a partition. Its `FieldSpec` says what each row holds:
+
+- `dense`: a tensor of a fixed per-sample `shape` (a batch is `(B, *shape)`);
+- `jagged`: a 1-D tensor of variable length per row (a batch is a `torch.jagged` nested tensor);
+- `object`: a JSON-like Python value (chat messages, strings, numbers, lists, dicts).
+
+`VOCABULARY` fixes the specs of the names used across ppoflow (DESIGN.md). Other names are
+declared once, process-wide with `declare_field`, per partition with `Store.declare`, or are fixed
+by their first put into a partition.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal, cast
+
+import numpy as np
+import torch
+
+from storage.errors import SchemaError
+
+Kind = Literal["dense", "jagged", "object"]
+KINDS: tuple[Kind, ...] = ("dense", "jagged", "object")
+
+# torch dtype -> numpy dtype that holds its bits (bfloat16 has no numpy twin: uint16 keeps its bits)
+_NUMPY_OF: dict[torch.dtype, np.dtype[Any]] = {
+    torch.bool: np.dtype(np.bool_),
+    torch.uint8: np.dtype(np.uint8),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(np.uint16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+}
+_DTYPE_BY_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in _NUMPY_OF}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.int64` -> `"int64"`."""
+    return str(dtype).removeprefix("torch.")
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    """The numpy dtype that stores the bits of a supported torch dtype."""
+    return _NUMPY_OF[dtype]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """What one row of a field holds.
+
+    Attributes:
+        kind: "dense", "jagged" or "object".
+        dtype: element dtype of dense and jagged fields; None for object fields.
+        shape: per-sample shape of a dense field (`()` for one number per sample); jagged rows
+            are 1-D, so their shape is always `()`.
+    """
+
+    kind: Kind
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        if self.kind not in KINDS:
+            raise SchemaError(f"field kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "object":
+            if self.dtype is not None or self.shape:
+                raise SchemaError("an object field has no dtype and no shape")
+            return
+        if self.dtype not in _NUMPY_OF:
+            names = sorted(_DTYPE_BY_NAME)
+            raise SchemaError(f"{self.kind} field dtype must be one of {names}, got {self.dtype}")
+        if self.kind == "jagged" and self.shape:
+            raise SchemaError("jagged rows are 1-D: a jagged FieldSpec takes no shape")
+        if any(n < 0 for n in self.shape):
+            raise SchemaError(f"dense shape must be non-negative, got {self.shape}")
+
+    @classmethod
+    def dense(cls, dtype: torch.dtype, shape: tuple[int, ...] = ()) -> FieldSpec:
+        """A fixed-shape tensor per sample: a batch is `(B, *shape)`."""
+        return cls("dense", dtype, shape)
+
+    @classmethod
+    def jagged(cls, dtype: torch.dtype) -> FieldSpec:
+        """A variable-length 1-D tensor per sample."""
+        return cls("jagged", dtype)
+
+    @classmethod
+    def objects(cls) -> FieldSpec:
+        """A JSON-like Python value per sample."""
+        return cls("object")
+
+    @property
+    def np_dtype(self) -> np.dtype[Any]:
+        """The numpy dtype of stored elements (uint8 UTF-8 JSON bytes for object fields)."""
+        return np.dtype(np.uint8) if self.dtype is None else _NUMPY_OF[self.dtype]
+
+    @property
+    def ragged(self) -> bool:
+        """True when rows are stored as values + offsets (jagged and object fields)."""
+        return self.kind != "dense"
+
+    def describe(self) -> str:
+        """Short text for messages: `jagged int64`, `dense float32 (3,)`, `object`."""
+        if self.dtype is None:
+            return self.kind
+        text = f"{self.kind} {dtype_name(self.dtype)}"
+        return f"{text} {self.shape}" if self.shape else text
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-friendly dict; `FieldSpec.from_json` reverses it."""
+        dtype = None if self.dtype is None else dtype_name(self.dtype)
+        return {"kind": self.kind, "dtype": dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FieldSpec:
+        """Rebuilds a spec from `to_json` output; unknown kinds or dtypes raise SchemaError."""
+        try:
+            name = data["dtype"]
+            if name is not None and name not in _DTYPE_BY_NAME:
+                raise SchemaError(f"unknown dtype {name!r} in field spec {dict(data)}")
+            dtype = None if name is None else _DTYPE_BY_NAME[name]
+            return cls(cast(Kind, data["kind"]), dtype, tuple(data.get("shape", ())))
+        except (KeyError, TypeError) as exc:
+            raise SchemaError(f"malformed field spec {data!r}: {exc}") from exc
+
+
+VOCABULARY: Mapping[str, FieldSpec] = MappingProxyType(
+    {
+        "prompt_ids": FieldSpec.jagged(torch.int64),
+        "response_ids": FieldSpec.jagged(torch.int64),
+        "raw_prompt": FieldSpec.objects(),
+        "ground_truth": FieldSpec.objects(),
+        "group_ids": FieldSpec.dense(torch.int64),
+        "response_mask": FieldSpec.jagged(torch.bool),
+        "rollout_logprobs": FieldSpec.jagged(torch.float32),
+        "old_logprobs": FieldSpec.jagged(torch.float32),
+        "ref_logprobs": FieldSpec.jagged(torch.float32),
+        "values": FieldSpec.jagged(torch.float32),
+        "token_rewards": FieldSpec.jagged(torch.float32),
+        "advantages": FieldSpec.jagged(torch.float32),
+        "returns": FieldSpec.jagged(torch.float32),
+        "rm_scores": FieldSpec.jagged(torch.float32),
+        "scores": FieldSpec.dense(torch.float32),
+        "rule_scores": FieldSpec.dense(torch.float32),
+        "rollout_version": FieldSpec.dense(torch.int64),
+    }
+)
+
+_declared: dict[str, FieldSpec] = {}
+_declared_lock = threading.Lock()
+
+
+def declare_field(name: str, spec: FieldSpec) -> None:
+    """Declares a field name for this process; re-declaring the same spec is a no-op.
+
+    Raises:
+        SchemaError: the name already has a different spec (vocabulary or earlier declaration).
+    """
+    if not isinstance(spec, FieldSpec):
+        raise SchemaError(f"declare_field({name!r}, ...) needs a FieldSpec, got {spec!r}")
+    with _declared_lock:
+        known = VOCABULARY.get(name) or _declared.get(name)
+        if known is not None and known != spec:
+            raise SchemaError(
+                f"field {name!r} is already declared as {known.describe()}; "
+                f"cannot redeclare it as {spec.describe()} (pick another name)"
+            )
+        _declared[name] = spec
+
+
+def registered_spec(name: str) -> FieldSpec | None:
+    """The process-wide spec of a field name (vocabulary or `declare_field`), if any."""
+    return VOCABULARY.get(name) or _declared.get(name)

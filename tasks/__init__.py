@@ -1,0 +1,1 @@
+"""Pipeline stages: pure math (torch only) beside thin Prefect task wrappers (`stage.py`)."""

@@ -1,0 +1,204 @@
+"""Packing jagged prompt + response rows into one right-padded batch for a causal LM.
+
+Row b of `input_ids` is [prompt_b | response_b | pad …]. A causal LM's logits at position i
+predict token i + 1, so response token t of row b is predicted at position
+`prompt_len_b + t − 1` — that is `response_index[b, t]`. Every prompt needs ≥ 1 token.
+
+Shapes: B rows, L packed length (max prompt + response), T max response length, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tasks.masks import lengths_to_mask
+
+__all__ = [
+    "PackedBatch",
+    "gather_response_logits",
+    "gather_response_logprobs",
+    "gather_response_values",
+    "logprobs_from_response_logits",
+    "pack_batch",
+    "unpad",
+]
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A right-padded causal-LM batch and where its response tokens sit.
+
+    input_ids (B, L) long: [prompt | response | pad_id …]
+    attention_mask (B, L) bool: True on prompt and response tokens
+    response_index (B, T) long: position whose logits predict response token t
+        (prompt_len + t − 1; clamped into [0, L − 1] on padding)
+    response_mask (B, T) bool: True on real response tokens
+    responses (B, T) long: response tokens, padded with pad_id
+    prompt_lengths (B,) long, response_lengths (B,) long
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_index: Tensor
+    response_mask: Tensor
+    responses: Tensor
+    prompt_lengths: Tensor
+    response_lengths: Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The same batch with every tensor on `device`."""
+        return PackedBatch(
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            response_index=self.response_index.to(device),
+            response_mask=self.response_mask.to(device),
+            responses=self.responses.to(device),
+            prompt_lengths=self.prompt_lengths.to(device),
+            response_lengths=self.response_lengths.to(device),
+        )
+
+    def slice(self, start: int, stop: int) -> PackedBatch:
+        """Rows start:stop as views, keeping the full widths L and T (outputs concatenate)."""
+        return PackedBatch(
+            input_ids=self.input_ids[start:stop],
+            attention_mask=self.attention_mask[start:stop],
+            response_index=self.response_index[start:stop],
+            response_mask=self.response_mask[start:stop],
+            responses=self.responses[start:stop],
+            prompt_lengths=self.prompt_lengths[start:stop],
+            response_lengths=self.response_lengths[start:stop],
+        )
+
+    def select(self, rows: Tensor) -> PackedBatch:
+        """The given rows (a (b,) long index), trimmed to their own longest row (L and T)."""
+        prompt_lengths = self.prompt_lengths[rows]  # (b,)
+        response_lengths = self.response_lengths[rows]  # (b,)
+        width = int(response_lengths.max()) if rows.numel() else 0
+        length = int((prompt_lengths + response_lengths).max()) if rows.numel() else 0
+        return PackedBatch(
+            input_ids=self.input_ids[rows, :length],
+            attention_mask=self.attention_mask[rows, :length],
+            response_index=self.response_index[rows, :width].clamp(max=max(length - 1, 0)),
+            response_mask=self.response_mask[rows, :width],
+            responses=self.responses[rows, :width],
+            prompt_lengths=prompt_lengths,
+            response_lengths=response_lengths,
+        )
+
+
+def _lengths(rows: list[Tensor]) -> Tensor:
+    return torch.tensor([int(row.shape[0]) for row in rows], dtype=torch.long)  # (B,)
+
+
+def _scatter_rows(target: Tensor, rows: list[Tensor], starts: Tensor, lengths: Tensor) -> None:
+    """target[b, starts[b] : starts[b] + lengths[b]] = rows[b] for every b, in one indexed write."""
+    if int(lengths.sum()) == 0:
+        return
+    flat = torch.cat([row.reshape(-1).cpu() for row in rows]).to(target.dtype)  # (ΣN,)
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), lengths)  # (ΣN,)
+    offsets = torch.cumsum(lengths, 0) - lengths  # (B,)
+    within = torch.arange(flat.shape[0]) - offsets[row_of]  # (ΣN,)
+    target[row_of, starts[row_of] + within] = flat
+
+
+def pack_batch(*, prompt_ids: list[Tensor], response_ids: list[Tensor], pad_id: int) -> PackedBatch:
+    """Pack B jagged prompts and responses (1-D long tensors) into a `PackedBatch`.
+
+    1. Lengths, widths L = max(prompt + response) and T = max(response).
+    2. input_ids [prompt | response | pad], responses [response | pad].
+    3. Masks and response_index = prompt_len + t − 1 (clamped into [0, L − 1]).
+    """
+    # 1.
+    if len(prompt_ids) != len(response_ids) or not prompt_ids:
+        raise ValueError(
+            f"pack_batch needs as many prompts as responses and at least one row; got "
+            f"{len(prompt_ids)} prompts and {len(response_ids)} responses"
+        )
+    prompt_lengths, response_lengths = _lengths(prompt_ids), _lengths(response_ids)  # (B,)
+    if int(prompt_lengths.min()) < 1:
+        row = int(torch.nonzero(prompt_lengths < 1)[0])
+        raise ValueError(
+            f"prompt {row} is empty: a causal LM needs at least one prompt token before the "
+            "first response token"
+        )
+    batch = len(prompt_ids)
+    length = int((prompt_lengths + response_lengths).max())
+    width = int(response_lengths.max())
+    # 2.
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)  # (B, L)
+    _scatter_rows(input_ids, prompt_ids, torch.zeros(batch, dtype=torch.long), prompt_lengths)
+    _scatter_rows(input_ids, response_ids, prompt_lengths, response_lengths)
+    responses = torch.full((batch, width), pad_id, dtype=torch.long)  # (B, T)
+    _scatter_rows(responses, response_ids, torch.zeros(batch, dtype=torch.long), response_lengths)
+    # 3.
+    response_index = prompt_lengths.unsqueeze(1) + torch.arange(width) - 1  # (B, T)
+    return PackedBatch(
+        input_ids=input_ids,
+        attention_mask=lengths_to_mask(prompt_lengths + response_lengths, length),  # (B, L)
+        response_index=response_index.clamp(0, length - 1),
+        response_mask=lengths_to_mask(response_lengths, width),  # (B, T)
+        responses=responses,
+        prompt_lengths=prompt_lengths,
+        response_lengths=response_lengths,
+    )
+
+
+def gather_response_logits(
+    *, logits: Tensor, batch: PackedBatch, temperature: float = 1.0
+) -> Tensor:
+    """(B, T, V) float32+ logits / temperature at the positions predicting each response token.
+
+    Only the T response positions are copied out of the (B, L, V) logits.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    rows = torch.arange(batch.batch_size, device=logits.device).unsqueeze(1)  # (B, 1)
+    selected = logits[rows, batch.response_index.to(logits.device)]  # (B, T, V)
+    if selected.dtype in (torch.float16, torch.bfloat16):
+        selected = selected.float()
+    return selected / temperature if temperature != 1.0 else selected
+
+
+def logprobs_from_response_logits(*, response_logits: Tensor, batch: PackedBatch) -> Tensor:
+    """(B, T) log-probabilities of the response tokens; 0 at masked positions.
+
+    log p = logit[token] − logsumexp(logits): no (B, T, V) log-softmax is materialised.
+    """
+    tokens = batch.responses.to(response_logits.device).unsqueeze(-1)  # (B, T, 1)
+    token_logits = response_logits.gather(-1, tokens).squeeze(-1)  # (B, T)
+    logprobs = token_logits - torch.logsumexp(response_logits, dim=-1)  # (B, T)
+    mask = batch.response_mask.to(response_logits.device)
+    return torch.where(mask, logprobs, torch.zeros_like(logprobs))
+
+
+def gather_response_logprobs(
+    *, logits: Tensor, batch: PackedBatch, temperature: float = 1.0
+) -> Tensor:
+    """(B, T) log_softmax(logits / temperature) of each response token; masked positions 0."""
+    response_logits = gather_response_logits(logits=logits, batch=batch, temperature=temperature)
+    return logprobs_from_response_logits(response_logits=response_logits, batch=batch)
+
+
+def gather_response_values(*, values: Tensor, batch: PackedBatch) -> Tensor:
+    """(B, T) critic values at the positions predicting each response token; masked 0.
+
+    The value of response token t is read where the state before emitting it ends, i.e. at
+    `response_index[b, t]`.
+    """
+    gathered = values.gather(1, batch.response_index.to(values.device))  # (B, T)
+    mask = batch.response_mask.to(values.device)
+    return torch.where(mask, gathered, torch.zeros_like(gathered))
+
+
+def unpad(tensor: Tensor, lengths: Tensor) -> list[Tensor]:
+    """Rows of a right-padded (B, T) tensor cut to their lengths (views, not copies)."""
+    if tensor.shape[0] != lengths.shape[0]:
+        raise ValueError(f"tensor has {tensor.shape[0]} rows but lengths has {lengths.shape[0]}")
+    return [row[: int(n)] for row, n in zip(tensor, lengths.tolist())]

@@ -1,0 +1,80 @@
+"""Masked reductions over token tensors.
+
+Masks are bool with True = real token, and named `*_mask`. Every reduction here ignores the
+values at masked positions entirely (they may hold NaN from padding and still not leak in).
+An all-masked input reduces to 0, never NaN. `values` and `mask` may be passed positionally.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["lengths_to_mask", "masked_mean", "masked_sum", "masked_var", "masked_whiten"]
+
+
+def lengths_to_mask(lengths: Tensor, width: int) -> Tensor:
+    """Bool mask (B, width): True where position < length.
+
+    Raises ValueError for a negative length or one longer than `width`.
+    """
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be 1-D (B,), got shape {tuple(lengths.shape)}")
+    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > width):
+        raise ValueError(
+            f"lengths must lie in [0, {width}] (width), got min {int(lengths.min())} "
+            f"and max {int(lengths.max())}"
+        )
+    positions = torch.arange(width, device=lengths.device)  # (width,)
+    return positions.unsqueeze(0) < lengths.unsqueeze(1)  # (B, width)
+
+
+def masked_sum(values: Tensor, mask: Tensor, *, dim: int | None = None) -> Tensor:
+    """Sum of `values` where `mask` is True, over `dim` (all dims when None)."""
+    kept = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(values: Tensor, mask: Tensor, *, dim: int | None = None) -> Tensor:
+    """Mean of `values` over real positions; 0 where there are none."""
+    total = masked_sum(values=values, mask=mask, dim=dim)
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return total / count.clamp(min=1).to(total.dtype)
+
+
+def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor:
+    """Variance over all real positions (a scalar); 0 with fewer than 2 (unbiased) real values."""
+    centered = _masked_centered(values=values, mask=mask)
+    return _variance_of_centered(centered=centered, count=int(mask.sum()), unbiased=unbiased)
+
+
+def masked_whiten(
+    values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8
+) -> Tensor:
+    """(values − mean) / sqrt(var + eps) over real positions (unbiased var); masked positions 0.
+
+    With `shift_mean=False` the mean is added back after scaling (only the scale changes).
+    """
+    centered = _masked_centered(values=values, mask=mask)  # 0 at masked positions
+    var = _variance_of_centered(centered=centered, count=int(mask.sum()), unbiased=True)
+    whitened = centered * torch.rsqrt(var + eps)
+    if not shift_mean:
+        mean = masked_mean(values=values, mask=mask)
+        whitened = torch.where(mask, whitened + mean, torch.zeros_like(whitened))
+    return whitened
+
+
+def _masked_centered(*, values: Tensor, mask: Tensor) -> Tensor:
+    """values − (masked mean) at real positions, 0 at masked ones."""
+    mean = masked_mean(values=values, mask=mask)
+    return torch.where(
+        mask, values - mean, torch.zeros((), dtype=values.dtype, device=values.device)
+    )
+
+
+def _variance_of_centered(*, centered: Tensor, count: int, unbiased: bool) -> Tensor:
+    denominator = count - 1 if unbiased else count
+    if denominator <= 0:
+        return torch.zeros((), dtype=centered.dtype, device=centered.device)
+    norm: Tensor = torch.linalg.vector_norm(centered)
+    return norm.square() / denominator

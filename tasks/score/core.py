@@ -1,0 +1,82 @@
+"""Score assembly: one reward-model score per sample → token-level rows.
+
+A sample's score belongs to its last real response token. An EMPTY response (length 0) has no
+such token: its dense row is all zeros and its jagged row is empty — never index −1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tasks.masks import lengths_to_mask
+
+__all__ = [
+    "assemble_rm_scores",
+    "find_nonfinite",
+    "lengths_to_mask",
+    "place_scores",
+    "score_metrics",
+]
+
+
+def _check_scores_and_lengths(scores: Tensor, response_lengths: Tensor) -> None:
+    if scores.dim() != 1 or response_lengths.dim() != 1:
+        raise ValueError(
+            f"scores and response_lengths must be 1-D (B,), got {tuple(scores.shape)} "
+            f"and {tuple(response_lengths.shape)}"
+        )
+    if scores.shape[0] != response_lengths.shape[0]:
+        raise ValueError(
+            f"scores has {scores.shape[0]} rows but response_lengths has "
+            f"{response_lengths.shape[0]}"
+        )
+
+
+def place_scores(scores: Tensor, response_lengths: Tensor, width: int) -> Tensor:
+    """Dense (B, width) float rows: the score at index length − 1, zeros elsewhere.
+
+    An empty response (length 0) gets an all-zero row.
+    """
+    _check_scores_and_lengths(scores, response_lengths)
+    mask = lengths_to_mask(response_lengths, width)  # (B, width), also checks the lengths
+    dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    placed = torch.zeros(mask.shape, dtype=dtype, device=scores.device)  # (B, width)
+    has_token = response_lengths > 0  # (B,)
+    rows = torch.nonzero(has_token).squeeze(1)  # (B',)
+    last = response_lengths[rows] - 1  # (B',)
+    placed[rows, last] = scores[rows].to(dtype)
+    return placed
+
+
+def assemble_rm_scores(scores: Tensor, response_lengths: Tensor) -> list[Tensor]:
+    """Jagged rows (one per sample, length = response length): the score on the last token.
+
+    An empty response gives an empty row.
+    """
+    _check_scores_and_lengths(scores, response_lengths)
+    width = int(response_lengths.max()) if response_lengths.numel() else 0
+    placed = place_scores(scores, response_lengths, width)  # (B, T)
+    return [row[: int(length)] for row, length in zip(placed, response_lengths.tolist())]
+
+
+def find_nonfinite(scores: Tensor) -> list[int]:
+    """Indices (in row order) of NaN or ±inf scores; empty when all are finite."""
+    bad = ~torch.isfinite(scores)
+    if bad.dim() > 1:
+        bad = bad.flatten(1).any(dim=1)
+    return [int(i) for i in torch.nonzero(bad).flatten().tolist()]
+
+
+def score_metrics(*, scores: Tensor, response_lengths: Tensor) -> dict[str, float]:
+    """`critic/score/mean|max|min` and `response/empty_ratio` for one batch."""
+    _check_scores_and_lengths(scores, response_lengths)
+    if scores.numel() == 0:
+        raise ValueError("score_metrics needs at least one sample, got an empty batch")
+    as_float = scores.double()
+    return {
+        "critic/score/mean": float(as_float.mean()),
+        "critic/score/max": float(as_float.max()),
+        "critic/score/min": float(as_float.min()),
+        "response/empty_ratio": float((response_lengths == 0).double().mean()),
+    }

@@ -1,0 +1,41 @@
+"""PPO losses and training loops (torch only). The Prefect stage lives in `tasks/update/stage.py`."""
+
+from tasks.update.core import (
+    AGGREGATIONS,
+    ActorLossOutput,
+    PolicyLossOutput,
+    ValueLossOutput,
+    actor_loss,
+    aggregate_loss,
+    count_loss_units,
+    entropy_from_logits,
+    ppo_policy_loss,
+    value_loss,
+)
+from tasks.update.optimize import (
+    ActorUpdateSettings,
+    CriticUpdateSettings,
+    actor_update,
+    count_minibatch_units,
+    critic_update,
+    sync_gradients,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "ActorLossOutput",
+    "ActorUpdateSettings",
+    "CriticUpdateSettings",
+    "PolicyLossOutput",
+    "ValueLossOutput",
+    "actor_loss",
+    "actor_update",
+    "aggregate_loss",
+    "count_loss_units",
+    "count_minibatch_units",
+    "critic_update",
+    "entropy_from_logits",
+    "ppo_policy_loss",
+    "sync_gradients",
+    "value_loss",
+]

@@ -1,0 +1,501 @@
+"""Torch-only PPO training loops for the actor and the critic (used inside Ray worker actors).
+
+One call = `ppo_epochs` passes over the batch in mini-batches of `mini_batch_size` rows; each
+mini-batch is one optimizer step, its gradient accumulated over micro-batches of
+`micro_batch_size` rows. Every micro-batch loss is divided by the *mini-batch's* denominator
+(real tokens, or non-empty rows; see `tasks.update.core`), so the step does not depend on the
+micro-batch split. With data parallelism each worker passes the global denominators
+(`global_tokens` / `global_seqs`, e.g. from `count_minibatch_units` summed over workers) and a
+`grad_reducer` that SUMS gradients over workers (`sync_gradients`): N workers then take the
+same step as one worker holding the whole batch.
+
+Models follow the Hugging Face convention `model(input_ids=…, attention_mask=…).logits`; for the
+critic, `logits[..., 0]` are the values (e.g. a token-classification head with one label).
+Metrics use verl's names. The model's train/eval mode is left as the caller set it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from tasks.batching import (
+    PackedBatch,
+    gather_response_logits,
+    gather_response_values,
+    logprobs_from_response_logits,
+)
+from tasks.kl import KL_PENALTIES
+from tasks.update.core import (
+    AGGREGATIONS,
+    actor_loss,
+    count_loss_units,
+    entropy_from_logits,
+    value_loss,
+)
+
+__all__ = [
+    "ActorUpdateSettings",
+    "CriticUpdateSettings",
+    "GradReducer",
+    "actor_update",
+    "count_minibatch_units",
+    "critic_update",
+    "sync_gradients",
+]
+
+GradReducer = Callable[[nn.Module], None]
+Scheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+def _check_batching(*, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int) -> None:
+    if ppo_epochs < 1 or mini_batch_size < 1 or micro_batch_size < 1:
+        raise ValueError(
+            f"ppo_epochs, mini_batch_size and micro_batch_size must be ≥ 1; got {ppo_epochs}, "
+            f"{mini_batch_size}, {micro_batch_size}"
+        )
+    if mini_batch_size % micro_batch_size:
+        raise ValueError(
+            f"mini_batch_size ({mini_batch_size}) must be a multiple of micro_batch_size "
+            f"({micro_batch_size}): gradient accumulation = mini / micro"
+        )
+
+
+@dataclass(frozen=True)
+class ActorUpdateSettings:
+    """How one actor update runs.
+
+    ppo_epochs: passes over the batch; mini_batch_size: rows per optimizer step;
+    micro_batch_size: rows per forward/backward (accumulation = mini / micro);
+    clip_low / clip_high: ratio clipped to [1 − clip_low, 1 + clip_high];
+    dual_clip: cap for negative advantages (> 1, None = off); agg: loss aggregation mode;
+    entropy_coef: entropy bonus weight; kl_loss_coef / kl_loss_kind: KL-to-reference loss;
+    max_grad_norm: clip the global grad norm (None = no clipping);
+    temperature: logits are divided by it (match the rollout's sampling temperature);
+    shuffle_seed: permute rows before each epoch (seed + epoch), None keeps the order.
+    """
+
+    ppo_epochs: int = 1
+    mini_batch_size: int = 8
+    micro_batch_size: int = 8
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0
+    agg: str = "token-mean"
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_loss_kind: str = "k3"
+    max_grad_norm: float | None = 1.0
+    temperature: float = 1.0
+    shuffle_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_batching(
+            ppo_epochs=self.ppo_epochs,
+            mini_batch_size=self.mini_batch_size,
+            micro_batch_size=self.micro_batch_size,
+        )
+        if self.agg not in AGGREGATIONS:
+            raise ValueError(f"agg {self.agg!r} is not one of {sorted(AGGREGATIONS)}")
+        if self.kl_loss_kind not in KL_PENALTIES:
+            raise ValueError(
+                f"kl_loss_kind {self.kl_loss_kind!r} is not one of {sorted(KL_PENALTIES)}"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    @property
+    def gradient_accumulation(self) -> int:
+        return self.mini_batch_size // self.micro_batch_size
+
+
+@dataclass(frozen=True)
+class CriticUpdateSettings:
+    """How one critic update runs (fields as in `ActorUpdateSettings`); clip_range: value clip
+    around the old values (None = unclipped)."""
+
+    ppo_epochs: int = 1
+    mini_batch_size: int = 8
+    micro_batch_size: int = 8
+    clip_range: float | None = 0.5
+    agg: str = "token-mean"
+    max_grad_norm: float | None = 1.0
+    shuffle_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_batching(
+            ppo_epochs=self.ppo_epochs,
+            mini_batch_size=self.mini_batch_size,
+            micro_batch_size=self.micro_batch_size,
+        )
+        if self.agg not in AGGREGATIONS:
+            raise ValueError(f"agg {self.agg!r} is not one of {sorted(AGGREGATIONS)}")
+
+    @property
+    def gradient_accumulation(self) -> int:
+        return self.mini_batch_size // self.micro_batch_size
+
+
+def count_minibatch_units(*, response_mask: Tensor, mini_batch_size: int, agg: str) -> list[float]:
+    """This worker's loss denominator for each mini-batch (in order, no shuffling).
+
+    Sum these over data-parallel workers and pass them as `global_tokens` (token-mean) or
+    `global_seqs` (seq-mean-*).
+    """
+    return [
+        count_loss_units(response_mask=mb_mask, agg=agg)
+        for mb_mask in torch.split(response_mask, mini_batch_size)
+    ]
+
+
+def sync_gradients(model: nn.Module, world_size: int) -> None:
+    """All-reduce (SUM) every gradient over the default torch.distributed group.
+
+    A SUM, not a mean: losses are already divided by global counts. A parameter without a
+    gradient on this worker contributes zeros. No-op for world_size 1.
+    """
+    if world_size <= 1:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all gradients
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _minibatch_rows(
+    *, batch_size: int, mini_batch_size: int, epoch: int, shuffle_seed: int | None
+) -> list[Tensor]:
+    if shuffle_seed is None:
+        order = torch.arange(batch_size)  # (B,)
+    else:
+        generator = torch.Generator().manual_seed(shuffle_seed + epoch)
+        order = torch.randperm(batch_size, generator=generator)  # (B,)
+    return list(torch.split(order, mini_batch_size))
+
+
+def _denominators(
+    *,
+    override: float | Sequence[float] | None,
+    response_mask: Tensor,
+    minibatches: list[Tensor],
+    agg: str,
+    shuffled: bool,
+) -> list[float]:
+    """One loss denominator per mini-batch: the global override or this worker's own count.
+
+    A single number is the global count of the one mini-batch; with several mini-batches per
+    epoch it is accepted only when it equals this worker's whole-batch count (one worker), as
+    one number cannot say how the global count splits across mini-batches.
+    """
+    local = [count_loss_units(response_mask=response_mask[rows], agg=agg) for rows in minibatches]
+    if override is None:
+        return local
+    if isinstance(override, (int, float)):
+        if len(minibatches) == 1:
+            return [float(override)]
+        if float(override) == sum(local):
+            return local
+        raise ValueError(
+            f"a single global_tokens/global_seqs ({override}) was given for "
+            f"{len(minibatches)} mini-batches per epoch and differs from this worker's count "
+            f"({sum(local)}): pass one global count per mini-batch (count_minibatch_units on "
+            "each worker, summed over workers)"
+        )
+    values = [float(v) for v in override]
+    if len(values) != len(minibatches):
+        raise ValueError(
+            f"got {len(values)} global denominators for {len(minibatches)} mini-batches: pass "
+            "one per mini-batch (see count_minibatch_units)"
+        )
+    if shuffled and len(minibatches) > 1:
+        raise ValueError(
+            "global_tokens/global_seqs per mini-batch need a fixed row order: set shuffle_seed=None"
+        )
+    return values
+
+
+@dataclass
+class _Tally:
+    """Running metric sums: per optimizer step (`step_*`) and per real token (`token_*`)."""
+
+    step_sums: dict[str, float] = field(default_factory=dict)
+    token_sums: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+    tokens: float = 0.0
+    skipped_steps: int = 0
+
+    def add_step(self, **values: float) -> None:
+        for name, value in values.items():
+            self.step_sums[name] = self.step_sums.get(name, 0.0) + value
+
+    def add_tokens(self, n_tokens: float, **means: float) -> None:
+        self.tokens += n_tokens
+        for name, mean in means.items():
+            self.token_sums[name] = self.token_sums.get(name, 0.0) + mean * n_tokens
+
+    def metrics(self) -> dict[str, float]:
+        out = {name: total / max(self.steps, 1) for name, total in self.step_sums.items()}
+        out.update({name: total / max(self.tokens, 1.0) for name, total in self.token_sums.items()})
+        return out
+
+
+def _optimizer_step(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float | None,
+    grad_reducer: GradReducer | None,
+    scheduler: Scheduler | None,
+    tally: _Tally,
+) -> float:
+    """Reduce gradients, clip, step (skipped when the norm is not finite); returns the norm."""
+    if grad_reducer is not None:
+        grad_reducer(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    limit = max_grad_norm if max_grad_norm is not None else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+    tally.steps += 1
+    if torch.isfinite(torch.tensor(grad_norm)):
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    else:
+        tally.skipped_steps += 1
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _forward_logits(model: nn.Module, mb: PackedBatch) -> Tensor:
+    output = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask.long())
+    logits: Tensor = output.logits
+    return logits
+
+
+def _actor_micro_step(
+    *,
+    model: nn.Module,
+    mb: PackedBatch,
+    mb_tensors: dict[str, Tensor],
+    cfg: ActorUpdateSettings,
+    loss_denominator: float,
+    tally: _Tally,
+) -> dict[str, float]:
+    """Forward + backward of one micro-batch; returns its (already normalised) loss parts."""
+    logits = _forward_logits(model, mb)  # (b, L, V)
+    mb_logits = gather_response_logits(logits=logits, batch=mb, temperature=cfg.temperature)
+    logprobs = logprobs_from_response_logits(response_logits=mb_logits, batch=mb)  # (b, T)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.entropy_coef != 0.0):
+        entropy = entropy_from_logits(logits=mb_logits)  # (b, T)
+    out = actor_loss(
+        logprobs=logprobs,
+        old_logprobs=mb_tensors["old_logprobs"],
+        advantages=mb_tensors["advantages"],
+        response_mask=mb.response_mask,
+        entropy=entropy,
+        ref_logprobs=mb_tensors.get("ref_logprobs"),
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        agg=cfg.agg,
+        entropy_coef=cfg.entropy_coef,
+        kl_loss_coef=cfg.kl_loss_coef,
+        kl_loss_kind=cfg.kl_loss_kind,
+        loss_denominator=loss_denominator,
+    )
+    torch.autograd.backward(out.loss)
+    tally.add_tokens(
+        float(mb.response_mask.sum()),
+        **{"actor/pg_clipfrac": float(out.clipfrac), "actor/ppo_kl": float(out.approx_kl)},
+    )
+    return {
+        "actor/pg_loss": float(out.pg_loss),
+        "actor/entropy": float(out.entropy),
+        "actor/kl_loss": float(out.kl_loss),
+    }
+
+
+def _slice_rows(tensors: dict[str, Tensor], rows: Tensor, width: int) -> dict[str, Tensor]:
+    return {name: t[rows.to(t.device), :width] for name, t in tensors.items()}
+
+
+def actor_update(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: PackedBatch,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    ref_logprobs: Tensor | None = None,
+    cfg: ActorUpdateSettings,
+    scheduler: Scheduler | None = None,
+    grad_reducer: GradReducer | None = None,
+    global_tokens: float | Sequence[float] | None = None,
+    global_seqs: float | Sequence[float] | None = None,
+) -> dict[str, float]:
+    """PPO epochs over `batch`; old_logprobs, advantages, ref_logprobs are (B, T).
+
+    1. Split rows into mini-batches (one optimizer step each) and fix each one's denominator.
+    2. Per mini-batch: forward/backward every micro-batch with that denominator.
+    3. Reduce gradients (grad_reducer), clip, step; the scheduler steps per optimizer step.
+    Returns mean metrics over steps (losses, grad norm) or real tokens (clipfrac, ppo_kl).
+    """
+    per_token = {"old_logprobs": old_logprobs, "advantages": advantages}
+    if ref_logprobs is not None:
+        per_token["ref_logprobs"] = ref_logprobs
+    _check_per_token(batch, per_token)
+    override = global_tokens if cfg.agg == "token-mean" else global_seqs
+    tally = _Tally()
+    for epoch in range(cfg.ppo_epochs):
+        # 1.
+        minibatches = _minibatch_rows(
+            batch_size=batch.batch_size,
+            mini_batch_size=cfg.mini_batch_size,
+            epoch=epoch,
+            shuffle_seed=cfg.shuffle_seed,
+        )
+        denominators = _denominators(
+            override=override,
+            response_mask=batch.response_mask,
+            minibatches=minibatches,
+            agg=cfg.agg,
+            shuffled=cfg.shuffle_seed is not None,
+        )
+        for mini_rows, denominator in zip(minibatches, denominators):
+            # 2.
+            for micro_rows in torch.split(mini_rows, cfg.micro_batch_size):
+                mb = batch.select(micro_rows.to(batch.input_ids.device))
+                parts = _actor_micro_step(
+                    model=model,
+                    mb=mb,
+                    mb_tensors=_slice_rows(per_token, micro_rows, mb.response_mask.shape[1]),
+                    cfg=cfg,
+                    loss_denominator=denominator,
+                    tally=tally,
+                )
+                tally.add_step(**parts)
+            # 3.
+            grad_norm = _optimizer_step(
+                model=model,
+                optimizer=optimizer,
+                max_grad_norm=cfg.max_grad_norm,
+                grad_reducer=grad_reducer,
+                scheduler=scheduler,
+                tally=tally,
+            )
+            tally.add_step(**{"actor/grad_norm": grad_norm})
+    metrics = tally.metrics()
+    metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
+    metrics["actor/skipped_steps"] = float(tally.skipped_steps)
+    return metrics
+
+
+def _check_per_token(batch: PackedBatch, tensors: dict[str, Tensor]) -> None:
+    expected = tuple(batch.response_mask.shape)
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)} but the batch's response_mask is "
+                f"{expected} (B, T)"
+            )
+
+
+def _critic_micro_step(
+    *,
+    model: nn.Module,
+    mb: PackedBatch,
+    mb_tensors: dict[str, Tensor],
+    cfg: CriticUpdateSettings,
+    loss_denominator: float,
+    tally: _Tally,
+) -> dict[str, float]:
+    values = gather_response_values(values=_forward_logits(model, mb)[..., 0], batch=mb)  # (b, T)
+    out = value_loss(
+        values=values,
+        old_values=mb_tensors["old_values"],
+        returns=mb_tensors["returns"],
+        response_mask=mb.response_mask,
+        clip_range=cfg.clip_range,
+        agg=cfg.agg,
+        loss_denominator=loss_denominator,
+    )
+    torch.autograd.backward(out.loss)
+    n_tokens = float(mb.response_mask.sum())
+    vpred = float(values.detach().sum()) / max(n_tokens, 1.0)  # masked positions are 0
+    tally.add_tokens(
+        n_tokens, **{"critic/vf_clipfrac": float(out.clipfrac), "critic/vpred_mean": vpred}
+    )
+    return {"critic/vf_loss": float(out.loss.detach())}
+
+
+def critic_update(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: PackedBatch,
+    old_values: Tensor,
+    returns: Tensor,
+    cfg: CriticUpdateSettings,
+    scheduler: Scheduler | None = None,
+    grad_reducer: GradReducer | None = None,
+    global_tokens: float | Sequence[float] | None = None,
+    global_seqs: float | Sequence[float] | None = None,
+) -> dict[str, float]:
+    """Clipped value-loss epochs over `batch`; old_values and returns are (B, T).
+
+    Same steps as `actor_update`: mini-batch denominators, micro-batch backward, reduce, clip,
+    step.
+    """
+    per_token = {"old_values": old_values, "returns": returns}
+    _check_per_token(batch, per_token)
+    override = global_tokens if cfg.agg == "token-mean" else global_seqs
+    tally = _Tally()
+    for epoch in range(cfg.ppo_epochs):
+        minibatches = _minibatch_rows(
+            batch_size=batch.batch_size,
+            mini_batch_size=cfg.mini_batch_size,
+            epoch=epoch,
+            shuffle_seed=cfg.shuffle_seed,
+        )
+        denominators = _denominators(
+            override=override,
+            response_mask=batch.response_mask,
+            minibatches=minibatches,
+            agg=cfg.agg,
+            shuffled=cfg.shuffle_seed is not None,
+        )
+        for mini_rows, denominator in zip(minibatches, denominators):
+            for micro_rows in torch.split(mini_rows, cfg.micro_batch_size):
+                mb = batch.select(micro_rows.to(batch.input_ids.device))
+                parts = _critic_micro_step(
+                    model=model,
+                    mb=mb,
+                    mb_tensors=_slice_rows(per_token, micro_rows, mb.response_mask.shape[1]),
+                    cfg=cfg,
+                    loss_denominator=denominator,
+                    tally=tally,
+                )
+                tally.add_step(**parts)
+            grad_norm = _optimizer_step(
+                model=model,
+                optimizer=optimizer,
+                max_grad_norm=cfg.max_grad_norm,
+                grad_reducer=grad_reducer,
+                scheduler=scheduler,
+                tally=tally,
+            )
+            tally.add_step(**{"critic/grad_norm": grad_norm})
+    metrics = tally.metrics()
+    metrics["critic/lr"] = float(optimizer.param_groups[0]["lr"])
+    return metrics

@@ -1,0 +1,38 @@
+"""Fixtures for store tests: both backends behind one `store` fixture, unique partition ids.
+
+The Ray store is one session-wide pair of shards on the lead's `ray_local` instance; each test
+uses its own partition, so tests stay independent without paying for new actors each time.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from storage import Store, open_store
+
+
+@pytest.fixture(scope="session")
+def ray_store(ray_local: object) -> Iterator[Store]:
+    store = open_store(f"ray://tests-{uuid.uuid4().hex[:8]}?shards=2&timeout=30")
+    yield store
+    store.close()
+
+
+@pytest.fixture(params=["memory", "ray"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """Each test runs against the embedded store and the Ray-sharded store."""
+    if request.param == "memory":
+        memory = open_store("memory://", default_timeout=30)
+        yield memory
+        memory.close()
+    else:
+        yield request.getfixturevalue("ray_store")
+
+
+@pytest.fixture
+def pid() -> str:
+    """A partition id no other test uses."""
+    return f"test/{uuid.uuid4().hex[:10]}"

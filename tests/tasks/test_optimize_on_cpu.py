@@ -1,0 +1,317 @@
+"""Actor/critic training loops on tiny Llama models built in-test (nothing is downloaded).
+
+Invariants: the micro-batch split (1 × 8 vs 8 × 1) and data parallelism (2 workers with summed
+gradients and global denominators vs 1 worker) give the same parameters, in float64, for every
+aggregation mode. Smoke: two updates change every parameter and keep the losses finite.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
+
+from tasks.batching import PackedBatch, gather_response_logprobs, pack_batch
+from tasks.update import (
+    AGGREGATIONS,
+    ActorUpdateSettings,
+    CriticUpdateSettings,
+    actor_update,
+    count_minibatch_units,
+    critic_update,
+)
+
+VOCAB = 20
+
+
+def tiny_config(**extra: object) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        **extra,
+    )
+
+
+def tiny_policy(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_config()).to(dtype)
+
+
+def tiny_critic(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(seed)
+    # classifier_dropout 0: the token-classification head otherwise drops out (default 0.1).
+    return LlamaForTokenClassification(tiny_config(num_labels=1, classifier_dropout=0.0)).to(dtype)
+
+
+def make_batch(seed: int, rows: int = 8) -> PackedBatch:
+    """Rows with prompts of 1–4 tokens and responses of 0–6 tokens (row 2 is empty)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_lengths = torch.randint(1, 5, (rows,), generator=generator)
+    response_lengths = torch.randint(1, 7, (rows,), generator=generator)
+    response_lengths[2] = 0
+    return pack_batch(
+        prompt_ids=[
+            torch.randint(1, VOCAB, (int(n),), generator=generator) for n in prompt_lengths
+        ],
+        response_ids=[
+            torch.randint(1, VOCAB, (int(n),), generator=generator) for n in response_lengths
+        ],
+        pad_id=0,
+    )
+
+
+def actor_inputs(model: nn.Module, batch: PackedBatch, seed: int) -> dict[str, Tensor]:
+    """old_logprobs near the model's own (so ratios ≠ 1 and clipping engages), advantages, refs."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
+        current = gather_response_logprobs(logits=logits, batch=batch)
+    shape = current.shape
+    noise = torch.randn(shape, generator=generator, dtype=current.dtype) * 0.3
+    return {
+        "old_logprobs": torch.where(batch.response_mask, current + noise, 0.0),
+        "advantages": torch.randn(shape, generator=generator, dtype=current.dtype),
+        "ref_logprobs": torch.where(batch.response_mask, current - noise.abs(), 0.0),
+    }
+
+
+def assert_same_parameters(a: nn.Module, b: nn.Module, atol: float) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def actor_settings(agg: str, micro: int, mini: int = 8, **extra: object) -> ActorUpdateSettings:
+    base: dict[str, object] = {
+        "ppo_epochs": 2,
+        "mini_batch_size": mini,
+        "micro_batch_size": micro,
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "agg": agg,
+        "entropy_coef": 0.01,
+        "kl_loss_coef": 0.1,
+        "kl_loss_kind": "k3",
+        "max_grad_norm": 0.5,
+        "temperature": 0.9,
+    }
+    base.update(extra)
+    return ActorUpdateSettings(**base)  # type: ignore[arg-type]
+
+
+def test_actor_update_two_steps_changes_every_parameter() -> None:
+    model = tiny_policy(seed=1, dtype=torch.float32)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    batch = make_batch(1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = ActorUpdateSettings(
+        mini_batch_size=4, micro_batch_size=2, entropy_coef=0.01, kl_loss_coef=0.05
+    )
+    for step in range(2):
+        metrics = actor_update(
+            model=model,
+            optimizer=optimizer,
+            batch=batch,
+            cfg=cfg,
+            **actor_inputs(model, batch, step),
+        )
+        for key in (
+            "actor/pg_loss",
+            "actor/pg_clipfrac",
+            "actor/ppo_kl",
+            "actor/entropy",
+            "actor/grad_norm",
+            "actor/kl_loss",
+        ):
+            assert key in metrics and torch.isfinite(torch.tensor(metrics[key])), key
+        assert metrics["actor/skipped_steps"] == 0.0
+    unchanged = [name for name, p in model.named_parameters() if torch.equal(p, before[name])]
+    assert unchanged == []
+
+
+@pytest.mark.parametrize("agg", sorted(AGGREGATIONS))
+def test_actor_micro_batch_split_invariant(agg: str) -> None:
+    # Micro-batch 1 × accumulation 8 and micro-batch 8 × accumulation 1 take the same steps.
+    batch = make_batch(2)
+    reference = tiny_policy(seed=2)
+    inputs = actor_inputs(reference, batch, seed=3)
+    results = []
+    for micro in (1, 8):
+        model = copy.deepcopy(reference)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        metrics = actor_update(
+            model=model, optimizer=optimizer, batch=batch, cfg=actor_settings(agg, micro), **inputs
+        )
+        results.append((model, metrics))
+    (model_a, metrics_a), (model_b, metrics_b) = results
+    assert not torch.equal(next(model_a.parameters()), next(reference.parameters()))
+    assert_same_parameters(model_a, model_b, atol=1e-10)
+    for key in (
+        "actor/pg_loss",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/grad_norm",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+    ):
+        assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-10), key
+    assert 0.0 < metrics_a["actor/pg_clipfrac"] < 1.0  # the clip was exercised
+
+
+def summing_reducers(world: int) -> list[Callable[[nn.Module], None]]:
+    """Grad reducers for `world` workers running in threads: every worker ends with the sum."""
+    barrier = threading.Barrier(world)
+    grads: dict[int, list[Tensor]] = {}
+
+    def make(rank: int) -> Callable[[nn.Module], None]:
+        def reduce(model: nn.Module) -> None:
+            params = list(model.parameters())
+            grads[rank] = [
+                p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params
+            ]
+            barrier.wait()
+            total = [sum(grads[r][i] for r in range(world)) for i in range(len(params))]
+            barrier.wait()  # everyone has read before anyone writes the next step's grads
+            for p, g in zip(params, total):
+                p.grad = g
+
+        return reduce
+
+    return [make(rank) for rank in range(world)]
+
+
+@pytest.mark.parametrize("agg", sorted(AGGREGATIONS))
+def test_actor_data_parallel_invariant(agg: str) -> None:
+    # Worker 0 holds rows 0–3, worker 1 rows 4–7, each with 2 mini-batches of 2 rows; together
+    # they must equal one worker whose mini-batches are {0, 1, 4, 5} and {2, 3, 6, 7}.
+    batch = make_batch(4)
+    reference = tiny_policy(seed=4)
+    inputs = actor_inputs(reference, batch, seed=5)
+    shards = [torch.arange(0, 4), torch.arange(4, 8)]
+    local_counts = [
+        count_minibatch_units(response_mask=batch.response_mask[rows], mini_batch_size=2, agg=agg)
+        for rows in shards
+    ]
+    global_counts = [a + b for a, b in zip(*local_counts)]
+    workers = [copy.deepcopy(reference) for _ in shards]
+    reducers = summing_reducers(len(shards))
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        rows = shards[rank]
+        try:
+            actor_update(
+                model=workers[rank],
+                optimizer=torch.optim.SGD(workers[rank].parameters(), lr=0.5),
+                batch=batch.select(rows),
+                cfg=actor_settings(agg, micro=1, mini=2),
+                grad_reducer=reducers[rank],
+                global_tokens=global_counts,
+                global_seqs=global_counts,
+                **{
+                    k: v[rows, : int(batch.response_lengths[rows].max())] for k, v in inputs.items()
+                },
+            )
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(shards))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    order = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7])
+    single = copy.deepcopy(reference)
+    actor_update(
+        model=single,
+        optimizer=torch.optim.SGD(single.parameters(), lr=0.5),
+        batch=batch.select(order),
+        cfg=actor_settings(agg, micro=2, mini=4),
+        **{k: v[order] for k, v in inputs.items()},
+    )
+    assert_same_parameters(workers[0], workers[1], atol=0.0)
+    assert_same_parameters(workers[0], single, atol=1e-10)
+
+
+def test_global_count_errors_are_clear() -> None:
+    batch = make_batch(6)
+    model = tiny_policy(seed=6)
+    inputs = actor_inputs(model, batch, seed=6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="one global count per mini-batch"):
+        actor_update(
+            model=model,
+            optimizer=optimizer,
+            batch=batch,
+            cfg=actor_settings("token-mean", 2, mini=4),
+            global_tokens=1e6,
+            **inputs,
+        )
+    with pytest.raises(ValueError, match="2 mini-batches"):
+        actor_update(
+            model=model,
+            optimizer=optimizer,
+            batch=batch,
+            cfg=actor_settings("token-mean", 2, mini=4),
+            global_tokens=[5.0],
+            **inputs,
+        )
+    with pytest.raises(ValueError, match="old_logprobs"):
+        actor_update(
+            model=model,
+            optimizer=optimizer,
+            batch=batch,
+            cfg=actor_settings("token-mean", 2),
+            old_logprobs=inputs["old_logprobs"][:, :1],
+            advantages=inputs["advantages"],
+        )
+    with pytest.raises(ValueError, match="multiple of micro_batch_size"):
+        ActorUpdateSettings(mini_batch_size=6, micro_batch_size=4)
+    with pytest.raises(ValueError, match="agg"):
+        CriticUpdateSettings(agg="sum")
+
+
+@pytest.mark.parametrize("agg", sorted(AGGREGATIONS))
+def test_critic_micro_batch_split_invariant(agg: str) -> None:
+    batch = make_batch(7)
+    reference = tiny_critic(seed=7)
+    generator = torch.Generator().manual_seed(8)
+    shape = batch.response_mask.shape
+    old_values = torch.randn(shape, generator=generator, dtype=torch.float64) * 0.1
+    returns = torch.randn(shape, generator=generator, dtype=torch.float64)
+    results = []
+    for micro in (1, 8):
+        model = copy.deepcopy(reference)
+        cfg = CriticUpdateSettings(
+            ppo_epochs=2,
+            mini_batch_size=8,
+            micro_batch_size=micro,
+            clip_range=0.2,
+            agg=agg,
+            max_grad_norm=0.5,
+        )
+        metrics = critic_update(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            batch=batch,
+            old_values=old_values,
+            returns=returns,
+            cfg=cfg,
+        )
+        results.append((model, metrics))
+    (model_a, metrics_a), (model_b, metrics_b) = results
+    assert_same_parameters(model_a, model_b, atol=1e-10)
+    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"):
+        assert key in metrics_a and metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-10), key
+    assert not torch.equal(model_a.score.weight, reference.score.weight)
