@@ -66,6 +66,21 @@ def _warmup_lambda(warmup: int):  # noqa: ANN202 - a LambdaLR closure
     return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
 
 
+def _load_weights(module: torch.nn.Module, path: Path) -> None:
+    """Load a ``save_pretrained`` safetensors file; only tied duplicates may be absent from it."""
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    result = module.load_state_dict(state, strict=False)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    loaded = {id(params[k]) for k in state if k in params}
+    untied = [k for k in result.missing_keys if k not in params or id(params[k]) not in loaded]
+    if untied or result.unexpected_keys:
+        raise RuntimeError(
+            f"checkpoint {path} does not match the model: missing {untied}, unexpected {result.unexpected_keys}"
+        )
+
+
 class PPOWorker:
     """Holds models for some roles on one device; see the module docstring."""
 
@@ -403,22 +418,16 @@ class PPOWorker:
 
     def load_checkpoint(self, path: str) -> int:
         """Restore what ``save_checkpoint`` wrote; returns the policy version."""
-        from safetensors.torch import load_file
-
         src = Path(path)
         state = torch.load(src / f"worker-{self.spec.rank}.pt", weights_only=False)
         if "actor" in self.spec.roles:
-            self.actor.module.load_state_dict(
-                load_file(src / "actor" / "model.safetensors"), strict=True
-            )
+            _load_weights(self.actor.module, src / "actor" / "model.safetensors")
             self.actor.optimizer.load_state_dict(state["actor_optimizer"])
             self.actor.scheduler.load_state_dict(state["actor_scheduler"])
             if "rollout" in self.spec.roles:
                 self.engine.load_weights(self.actor.module.state_dict())
         if "critic" in self.spec.roles:
-            self.critic.module.load_state_dict(
-                load_file(src / "critic" / "model.safetensors"), strict=True
-            )
+            _load_weights(self.critic.module, src / "critic" / "model.safetensors")
             self.critic.optimizer.load_state_dict(state["critic_optimizer"])
             self.critic.scheduler.load_state_dict(state["critic_scheduler"])
         torch.set_rng_state(state["rng"]["torch"])

@@ -35,10 +35,11 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(pre
     meta = BatchMeta(partition_id=partition, keys=tuple(keys), fields=("prompt_ids",))
 
     @flow(name="stall-probe")
-    def probe():
-        return score.with_options(retries=1, retry_delay_seconds=0)(ctx, meta, 7, return_state=True)
+    def probe() -> dict:
+        # Wrapped in a dict so the probe flow itself completes and hands back the task's state.
+        return {"task": score.with_options(retries=1, retry_delay_seconds=0)(ctx, meta, 7, return_state=True)}
 
-    state = probe()
+    state = probe()["task"]
     assert state.is_failed()
     assert "StoreTimeout" in state.message or "response_ids" in state.message, state.message
     assert "response_ids" in state.message and partition in state.message
