@@ -79,6 +79,9 @@ class RolloutConfig(_Section):
     prompts_per_step: int = Field(8, ge=1, description="Prompts per iteration.")
     n: int = Field(8, ge=1, description="Samples per prompt (the GRPO/RLOO group size).")
     max_new_tokens: int = Field(8, ge=1, description="Response length cap.")
+    min_new_tokens: int = Field(
+        0, ge=0, description="Forbid EOS before this many tokens (fixed-length benchmarks)."
+    )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
 

@@ -215,6 +215,7 @@ class PPOWorker:
                 temperature=cfg.temperature if temperature is None else temperature,
                 top_p=cfg.top_p,
                 seed=seed,
+                min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
             )
         return (
             Jagged.from_rows(out.response_ids),

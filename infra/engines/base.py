@@ -90,6 +90,7 @@ class GenerationEngine(Sleepable, Protocol):
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int,
+        min_new_tokens: int = 0,
     ) -> GenerationOutput: ...
 
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None: ...

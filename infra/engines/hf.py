@@ -111,8 +111,12 @@ class TransformersEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int,
+        min_new_tokens: int = 0,
     ) -> GenerationOutput:
-        """Sample ``n`` responses per prompt; rows are prompt-major (see ``GenerationOutput``)."""
+        """Sample ``n`` responses per prompt; rows are prompt-major (see ``GenerationOutput``).
+
+        ``min_new_tokens`` forbids EOS before that many tokens (benchmarks use it to compare
+        systems on equal work); logprobs are then those of the distribution without EOS."""
         self._residency.require_awake("TransformersEngine.generate()")
         check_generate_args(
             prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p
@@ -122,7 +126,7 @@ class TransformersEngine:
             empty = [torch.zeros(0, dtype=torch.long) for _ in range(rows)]
             return GenerationOutput(empty, [torch.zeros(0, dtype=torch.float32) for _ in empty])
         tokens, logprobs, lengths = self._sample_loop(
-            prompt_ids, n, max_new_tokens, temperature, top_p, seed
+            prompt_ids, n, max_new_tokens, temperature, top_p, seed, min_new_tokens
         )
         tokens, logprobs, cut = tokens.cpu(), logprobs.cpu(), lengths.tolist()
         return GenerationOutput(
@@ -151,6 +155,7 @@ class TransformersEngine:
         temperature: float,
         top_p: float,
         seed: int,
+        min_new_tokens: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Return tokens (B, T), logprobs (B, T) and response lengths (B,) for B = prompts * n."""
         device = self._device
@@ -177,6 +182,8 @@ class TransformersEngine:
         steps = 0
         # 3. Decode step by step from the cache.
         for step in range(max_new_tokens):
+            if step < min_new_tokens and self._eos.numel():
+                logits[:, self._eos] = float("-inf")
             token, token_logprob = sample_next_tokens(
                 logits, temperature=temperature, top_p=top_p, generator=generator
             )

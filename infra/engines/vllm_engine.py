@@ -142,6 +142,7 @@ class VLLMEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int,
+        min_new_tokens: int = 0,
     ) -> GenerationOutput:
         """Sample ``n`` responses per prompt (prompt-major rows); prompt i uses seed ``seed + i``."""
         if not self._awake:
@@ -161,6 +162,7 @@ class VLLMEngine:
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_new_tokens,
+                min_tokens=min_new_tokens,
                 seed=seed + index,
                 logprobs=0,
                 stop_token_ids=self._stop_token_ids,
