@@ -1,6 +1,6 @@
 """Benchmark: ppoflow's GAE and GRPO against verl's `core_algos` on B=1024, T=1024 (CPU).
 
-Run:  .venv/bin/python benchmarks/algos.py [--repeats 9] [--skip-verl]
+Run:  .venv/bin/python benchmarks/algos.py [--repeats 9] [--threads 1] [--skip-verl]
 
 verl runs in its own virtual environment, `benchmarks/.venvs/verl`, built on first use
 (`python3 -m venv`, then `pip install torch==2.13.0 numpy` first so the CPU torch build is kept,
@@ -50,6 +50,7 @@ VERL_RUNNER = textwrap.dedent(
         compute_gae_advantage_return, compute_grpo_outcome_advantage)
 
     inputs, out_path, repeats = torch.load(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(int(sys.argv[4]))
 
     def cast(dtype):
         return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
@@ -57,12 +58,13 @@ VERL_RUNNER = textwrap.dedent(
 
     def timed(fn):  # fn(dtype) -> outputs; float32 timed, float64 kept for the parity check
         fn(torch.float32)
-        seconds = []
+        wall, cpu = [], []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn(torch.float32)
-            seconds.append(time.perf_counter() - start)
-        return fn(torch.float64), statistics.median(seconds)
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+        return fn(torch.float64), (statistics.median(wall), statistics.median(cpu))
 
     def gae(case):
         def run(dtype):
@@ -80,10 +82,10 @@ VERL_RUNNER = textwrap.dedent(
 
     out = {}
     for case in ("gae", "gae_holes"):
-        (adv, ret), seconds = timed(gae(case))
-        out[case] = {"advantages": adv, "returns": ret, "seconds": seconds}
-    (adv, _), seconds = timed(grpo)
-    out["grpo"] = {"advantages": adv, "seconds": seconds}
+        (adv, ret), (wall, cpu) = timed(gae(case))
+        out[case] = {"advantages": adv, "returns": ret, "seconds": wall, "cpu_seconds": cpu}
+    (adv, _), (wall, cpu) = timed(grpo)
+    out["grpo"] = {"advantages": adv, "seconds": wall, "cpu_seconds": cpu}
     torch.save(out, out_path)
     """
 )
@@ -135,17 +137,19 @@ def make_inputs(*, batch: int, width: int, seed: int) -> dict[str, Tensor | floa
     }
 
 
-def median_seconds(fn: Callable[[], object], *, repeats: int) -> float:
-    fn()  # warm-up
-    seconds = []
+def median_seconds(fn: Callable[[], object], *, repeats: int) -> dict[str, float]:
+    """Median wall-clock and CPU (process) seconds of `repeats` calls after a warm-up."""
+    fn()
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return {"seconds": statistics.median(wall), "cpu_seconds": statistics.median(cpu)}
 
 
-Case = dict[str, Tensor | float]  # output tensors by name, plus "seconds"
+Case = dict[str, Tensor | float]  # output tensors by name, plus "seconds" and "cpu_seconds"
 
 
 def run_ppoflow(inputs: dict[str, Tensor | float], *, repeats: int) -> dict[str, Case]:
@@ -172,27 +176,29 @@ def run_ppoflow(inputs: dict[str, Tensor | float], *, repeats: int) -> dict[str,
             )
 
         result = run(inputs64)
-        seconds = median_seconds(lambda run=run: run(inputs32), repeats=repeats)
-        out[case] = {"advantages": result.advantages, "returns": result.returns, "seconds": seconds}
+        times = median_seconds(lambda run=run: run(inputs32), repeats=repeats)
+        out[case] = {"advantages": result.advantages, "returns": result.returns, **times}
 
     def run_grpo(x: dict[str, Tensor]) -> Tensor:
         return grpo_advantage(
             scores=x["scores"], group_ids=x["group_ids"], response_mask=x["gae_mask"]
         )
 
-    seconds = median_seconds(lambda: run_grpo(inputs32), repeats=repeats)
-    out["grpo"] = {"advantages": run_grpo(inputs64), "seconds": seconds}
+    times = median_seconds(lambda: run_grpo(inputs32), repeats=repeats)
+    out["grpo"] = {"advantages": run_grpo(inputs64), **times}
     return out
 
 
-def run_verl(python: Path, inputs: dict[str, Tensor | float], *, repeats: int) -> dict[str, Case]:
+def run_verl(
+    python: Path, inputs: dict[str, Tensor | float], *, repeats: int, threads: int
+) -> dict[str, Case]:
     """verl's outputs and median times, from a subprocess of its venv."""
     with tempfile.TemporaryDirectory(prefix="ppoflow-bench-") as tmp:
         in_path, out_path, script = Path(tmp) / "in.pt", Path(tmp) / "out.pt", Path(tmp) / "run.py"
         torch.save(inputs, in_path)
         script.write_text(VERL_RUNNER)
         done = subprocess.run(
-            [str(python), str(script), str(in_path), str(out_path), str(repeats)],
+            [str(python), str(script), str(in_path), str(out_path), str(repeats), str(threads)],
             capture_output=True,
             text=True,
             timeout=1800,
@@ -227,14 +233,18 @@ def table_rows(
 ) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for case in ("gae", "gae_holes", "grpo"):
-        mine = float(ours[case]["seconds"])
+        mine, mine_cpu = float(ours[case]["seconds"]), float(ours[case]["cpu_seconds"])
         theirs = float(verl[case]["seconds"]) if verl is not None else None
+        theirs_cpu = float(verl[case]["cpu_seconds"]) if verl is not None else None
         rows.append(
             {
                 "case": case,
                 "ppoflow_ms": round(mine * 1e3, 3),
                 "verl_ms": round(theirs * 1e3, 3) if theirs is not None else None,
                 "speedup": round(theirs / mine, 2) if theirs is not None else None,
+                "ppoflow_cpu_ms": round(mine_cpu * 1e3, 3),
+                "verl_cpu_ms": round(theirs_cpu * 1e3, 3) if theirs_cpu is not None else None,
+                "cpu_speedup": round(theirs_cpu / mine_cpu, 2) if theirs_cpu else None,
                 "max_abs_diff": diffs.get(case),
                 "parity_ok": diffs[case] <= TOLERANCE if case in diffs else None,
             }
@@ -243,13 +253,17 @@ def table_rows(
 
 
 def print_table(rows: list[dict[str, object]]) -> None:
-    print(f"{'case':<11}{'ppoflow ms':>12}{'verl ms':>10}{'speedup':>9}{'max |diff|':>12}  parity")
+    header = ["case", "ppoflow ms", "verl ms", "speedup", "cpu speedup", "max |diff|"]
+    print(
+        f"{header[0]:<11}{header[1]:>12}{header[2]:>10}{header[3]:>9}{header[4]:>13}{header[5]:>12}  parity"
+    )
     for row in rows:
         cells = [
             f"{row['case']:<11}",
             f"{row['ppoflow_ms']:>12.2f}",
             f"{row['verl_ms']:>10.2f}" if row["verl_ms"] is not None else f"{'-':>10}",
             f"{row['speedup']:>8.1f}x" if row["speedup"] is not None else f"{'-':>9}",
+            f"{row['cpu_speedup']:>12.1f}x" if row["cpu_speedup"] is not None else f"{'-':>13}",
             f"{row['max_abs_diff']:>12.1e}" if row["max_abs_diff"] is not None else f"{'-':>12}",
             f"  {row['parity_ok']}",
         ]
@@ -261,11 +275,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads on both sides (1 is the most repeatable on a shared machine)",
+    )
     parser.add_argument("--skip-verl", action="store_true")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    # 1. Inputs, and ppoflow's timings.
+    # 1. Inputs, and ppoflow's timings (the machine may be shared: its load is recorded).
+    torch.set_num_threads(args.threads)
+    load_start = round(os.getloadavg()[0], 2)
     inputs = make_inputs(batch=args.batch, width=args.width, seed=0)
     ours = run_ppoflow(inputs, repeats=args.repeats)
     # 2. verl in its own venv, on the same inputs.
@@ -275,14 +297,15 @@ def main() -> None:
         python, reason = ensure_verl_venv(log_path=VERL_VENV.parent / "verl-install.log")
         if python is not None:
             try:
-                verl = run_verl(python, inputs, repeats=args.repeats)
+                verl = run_verl(python, inputs, repeats=args.repeats, threads=args.threads)
                 reason = f"verl {VERL_VERSION} ({reason} venv)"
             except (RuntimeError, subprocess.TimeoutExpired) as error:
                 reason = f"verl runner failed: {error}"
     # 3. ppoflow again after verl (machine load drifts); keep the lower of the two medians.
     again = run_ppoflow(inputs, repeats=args.repeats)
     for case, result in ours.items():
-        result["seconds"] = min(float(result["seconds"]), float(again[case]["seconds"]))
+        for key in ("seconds", "cpu_seconds"):
+            result[key] = min(float(result[key]), float(again[case][key]))
     # 4. Parity, table, JSON.
     diffs = compare(ours, verl, inputs) if verl is not None else {}
     rows = table_rows(ours, verl, diffs)
@@ -293,13 +316,14 @@ def main() -> None:
         "gamma": GAMMA,
         "lam": LAM,
         "repeats": args.repeats,
-        "timing": "median of repeats after a warm-up; ppoflow timed before and after verl, "
-        "the lower median kept",
+        "timing": "median wall-clock (and CPU process time) of repeats after a warm-up, float32; "
+        "ppoflow timed before and after verl, the lower median kept",
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
+            "load_average_1m_start_end": [load_start, round(os.getloadavg()[0], 2)],
         },
         "verl": {"available": verl is not None, "detail": reason},
         "tolerance": TOLERANCE,

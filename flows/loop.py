@@ -231,7 +231,9 @@ class Trainer:
         with self.submit_lock:
             self.version += 1
             self.submit_lock.notify_all()
-        # 6. Drop the finished partition.
+        # 6. Wake/sleep seconds of the colocated roles (first training worker), then drop the partition.
+        self.ctx.record(step, self.rt.train_group.call("timing")[0])
+        # Drop the finished partition.
         lengths = self._response_lengths(meta)
         self.rt.store.kv_clear(meta.partition_id)
         self.submitted.pop(step, None)

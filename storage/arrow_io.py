@@ -162,10 +162,9 @@ def _keys(path: Path, table: pa.Table) -> list[str]:
 
 
 def _ragged(path: Path, name: str, array: pa.Array, spec: FieldSpec) -> Column:
-    offsets = np.asarray(array.offsets.to_numpy(), np.int64)
     if spec.kind == "object":
-        rows = [json.loads(text) for text in array.to_pylist()]
-        return encode_objects(rows)
+        return encode_objects([json.loads(text) for text in array.to_pylist()])
+    offsets = np.asarray(array.offsets.to_numpy(), np.int64)
     values = array.values.to_numpy(zero_copy_only=False)
     if offsets.size and (np.any(np.diff(offsets) < 0) or offsets[-1] > values.size):
         raise StoreCorruptError(f"{path}: field {name!r} has offsets outside its values")

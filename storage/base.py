@@ -11,9 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-
-from tensordict import TensorDict, TensorDictBase
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from storage import arrow_io
 from storage.columnar import BoolArray
@@ -22,8 +20,11 @@ from storage.meta import BatchMeta
 from storage.partition import PartitionDump
 from storage.schema import FieldSpec
 
+if TYPE_CHECKING:  # tensordict is slow to import; Ray shard workers never need it
+    from tensordict import TensorDict, TensorDictBase
+
 DEFAULT_TIMEOUT_S = 300.0
-Fields = Mapping[str, Any] | TensorDictBase
+Fields: TypeAlias = "Mapping[str, Any] | TensorDictBase"
 
 
 def check_timeout(value: float, what: str) -> float:
@@ -48,8 +49,8 @@ def check_keys(keys: Sequence[str], partition_id: str) -> list[str]:
             f"partition {partition_id!r}: keys must be a list or tuple of str, got {type(keys).__name__}"
         )
     keys = list(keys)
-    bad = [key for key in keys if not isinstance(key, str)]
-    if bad:
+    if set(map(type, keys)) - {str}:
+        bad = [key for key in keys if type(key) is not str]
         raise SchemaError(f"partition {partition_id!r}: keys must be str, got {preview(bad)}")
     if len(set(keys)) != len(keys):
         seen: set[str] = set()

@@ -68,7 +68,7 @@ class Column:
     def copy(self) -> Column:
         """A column that owns contiguous copies of its buffers."""
         offsets = None if self.offsets is None else self.offsets.copy()
-        return Column(self.spec, np.array(self.values, order="C", copy=True), offsets, owned=True)
+        return Column(self.spec, self.values.copy(order="C"), offsets, owned=True)
 
     def owned_copy(self) -> Column:
         """This column if it already owns its buffers, else a copy."""

@@ -18,8 +18,8 @@ def _strings(values: Iterable[str], what: str) -> tuple[str, ...]:
     if isinstance(values, str):
         raise SchemaError(f"BatchMeta {what} must be a sequence of str, got the string {values!r}")
     items = tuple(values)
-    bad = [item for item in items if not isinstance(item, str)]
-    if bad:
+    if set(map(type, items)) - {str}:
+        bad = [item for item in items if type(item) is not str]
         raise SchemaError(f"BatchMeta {what} must be str, got {preview(bad)}")
     return items
 

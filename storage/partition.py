@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -37,6 +38,17 @@ class Located:
         if self.rows.size == 0:
             return empty_column(self.spec)
         return gather(self.chunks, self.chunk_ids, self.rows)
+
+    def view(self) -> Column:
+        """The rows without a copy when they are one run of one chunk, else a copy.
+
+        Only for handing straight to a serializer: the result may share a stored chunk's memory.
+        """
+        rows = self.rows
+        one_run = len(self.chunks) == 1 and rows.size > 0 and bool(np.all(np.diff(rows) == 1))
+        if one_run:
+            return self.chunks[0].slice(int(rows[0]), int(rows[-1]) + 1)
+        return self.column()
 
 
 @dataclass
@@ -165,8 +177,7 @@ class Partition:
 
     def ids(self, keys: Sequence[str]) -> IntArray:
         """The id of each key, -1 for keys not in the partition."""
-        get = self.key_ids.get
-        return np.fromiter((get(key, -1) for key in keys), np.int64, len(keys))
+        return np.fromiter(map(self.key_ids.get, keys, repeat(-1)), np.int64, len(keys))
 
     def plan_put(
         self, keys: Sequence[str], columns: Mapping[str, Column], overwrite: bool
@@ -235,17 +246,18 @@ class Partition:
                 index.write(ids[rows], column.take(rows))
 
     def _assign(self, keys: Sequence[str]) -> IntArray:
-        out = np.empty(len(keys), np.int64)
-        for i, key in enumerate(keys):
-            kid = self.key_ids.get(key)
-            if kid is None:
-                if self._free:
-                    kid = self._free.pop()
-                else:
-                    kid, self._next_id = self._next_id, self._next_id + 1
-                self.key_ids[key] = kid
-            out[i] = kid
-        return out
+        """Ids of the keys, giving new keys free ids first, then fresh ones."""
+        ids = self.ids(keys)
+        new = np.flatnonzero(ids < 0)
+        if new.size:
+            reused = self._free[len(self._free) - min(len(self._free), new.size) :]
+            del self._free[len(self._free) - len(reused) :]
+            count = new.size - len(reused)
+            new_ids = reused + list(range(self._next_id, self._next_id + count))
+            self._next_id += count
+            self.key_ids.update(zip([keys[i] for i in new.tolist()], new_ids))
+            ids[new] = new_ids
+        return ids
 
     # -- get, list, clear ----------------------------------------------------------------------
 

@@ -11,19 +11,15 @@ Python objects. A put is placed in the object store once, and each involved shar
 the rows it owns (zero-copy reads on one node; across nodes each involved shard pulls the batch).
 A put touching one shard is one call; one spanning shards is two-phase (every shard validates
 and stages, then all commit), so a failed put changes nothing. A concurrent put to the same keys
-and fields fails fast with ConflictError instead of deadlocking. Only this module imports Ray.
+and fields fails fast with ConflictError instead of deadlocking. Only this module imports Ray (the shard class in `storage.ray_shard` does not).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,244 +36,17 @@ from storage.base import (
     check_specs,
     timeout_error,
 )
-from storage.columnar import BoolArray, Column, IntArray, gather
+from storage.columnar import BoolArray, Column, IntArray, concat, empty_column, gather
 from storage.convert import to_columns, to_tensordict
-from storage.errors import ConflictError, SchemaError, StoreError, StoreTimeout, preview
+from storage.errors import SchemaError, StoreError, StoreTimeout
 from storage.meta import BatchMeta
-from storage.partition import Partition, PartitionDump, PutPlan
+from storage.partition import PartitionDump
+from storage.ray_shard import StoreShard, actor_name, dump_from, dump_header, shard_of
 from storage.schema import FieldSpec, registered_spec
-from storage.wire import (
-    Message,
-    error_message,
-    keys_blob,
-    message,
-    open_message,
-    pack_columns,
-    unpack_columns,
-)
+from storage.wire import keys_blob, message, open_message, pack_columns, unpack_columns
 
 DEFAULT_SHARDS = 2
 _GRACE_S = 10.0  # how much longer than a shard's own wait the client waits for its reply
-
-
-def actor_name(store: str, index: int) -> str:
-    return f"ppoflow-store/{store}/shard-{index}"
-
-
-def shard_of(keys: Sequence[str], n_shards: int) -> IntArray:
-    """The shard of each key: a stable hash, the same in every process."""
-    crc = zlib.crc32
-    hashes = np.fromiter((crc(key.encode()) for key in keys), np.int64, len(keys))
-    return hashes % n_shards
-
-
-def _dump_header(dump: PartitionDump, arrays: list[Any]) -> dict[str, Any]:
-    present = {}
-    for name, mask in dump.present.items():
-        present[name] = len(arrays)
-        arrays.append(mask)
-    return {
-        "partition": dump.partition_id,
-        "keys": dump.keys,
-        "specs": {name: spec.to_json() for name, spec in dump.specs.items()},
-        "columns": pack_columns(dump.columns, arrays),
-        "present": present,
-    }
-
-
-def _dump_from(header: Mapping[str, Any], arrays: Sequence[Any]) -> PartitionDump:
-    specs = {name: FieldSpec.from_json(spec) for name, spec in header["specs"].items()}
-    present = {name: np.asarray(arrays[i], np.bool_) for name, i in header["present"].items()}
-    columns = unpack_columns(header["columns"], arrays)
-    return PartitionDump(header["partition"], list(header["keys"]), specs, present, columns)
-
-
-# -- the shard actor ------------------------------------------------------------------------------
-
-
-@dataclass
-class _Staged:
-    """A prepared, uncommitted change of a shard."""
-
-    apply: Callable[[], None]
-    expires: float
-    plan: PutPlan | None = None
-
-
-class StoreShard:
-    """One shard: the partitions of the keys that hash to it (a Ray async actor)."""
-
-    def __init__(self, store: str, index: int, shards: int, owner: str) -> None:
-        self._config = {"store": store, "index": index, "shards": shards, "owner": owner}
-        self._parts: dict[str, Partition] = {}
-        self._staged: dict[str, _Staged] = {}
-        self._cond = asyncio.Condition()
-
-    async def config(self) -> bytes:
-        return json.dumps(self._config).encode()
-
-    async def _notify(self) -> None:
-        async with self._cond:
-            self._cond.notify_all()
-
-    def _plan(
-        self, partition_id: str, keys: bytes, rows: IntArray, payload: Message, overwrite: bool
-    ) -> PutPlan:
-        header, arrays = open_message(payload)
-        columns = unpack_columns(header["fields"], arrays)
-        mine = {name: column.take(rows) for name, column in columns.items()}
-        part = self._parts.get(partition_id) or Partition(partition_id)
-        plan = part.plan_put(json.loads(keys), mine, overwrite)
-        self._check_staged(plan)
-        return plan
-
-    def _check_staged(self, plan: PutPlan) -> None:
-        now = time.monotonic()
-        for txn in [txn for txn, staged in self._staged.items() if staged.expires < now]:
-            del self._staged[txn]
-        keys = set(plan.keys)
-        for staged in self._staged.values():
-            other = staged.plan
-            if other is None or other.partition_id != plan.partition_id:
-                continue
-            if set(other.writes) & set(plan.writes) and not keys.isdisjoint(other.keys):
-                raise ConflictError(
-                    f"partition {plan.partition_id!r}: another put to the same keys and fields is "
-                    "being committed; retry when it has finished"
-                )
-            for name, spec in plan.new_specs.items():
-                if other.new_specs.get(name, spec) != spec:
-                    raise SchemaError(
-                        f"partition {plan.partition_id!r}, field {name!r}: a concurrent put is "
-                        f"fixing it as {other.new_specs[name].describe()}, got {spec.describe()}"
-                    )
-
-    def _apply_plan(self, plan: PutPlan) -> None:
-        self._parts.setdefault(plan.partition_id, Partition(plan.partition_id)).apply(plan)
-
-    async def put(
-        self, partition_id: str, keys: bytes, rows: IntArray, payload: Message, overwrite: bool
-    ) -> Message:
-        """A one-shard put: validate and apply at once."""
-        try:
-            plan = self._plan(partition_id, keys, rows, payload, overwrite)
-        except StoreError as exc:
-            return error_message(exc)
-        self._apply_plan(plan)
-        await self._notify()
-        return message({"ok": True})
-
-    async def prepare(
-        self,
-        txn: str,
-        partition_id: str,
-        keys: bytes,
-        rows: IntArray,
-        payload: Message,
-        overwrite: bool,
-        ttl: float,
-    ) -> Message:
-        """Validates and stages this shard's rows of a multi-shard put."""
-        try:
-            plan = self._plan(partition_id, keys, rows, payload, overwrite)
-        except StoreError as exc:
-            return error_message(exc)
-        self._staged[txn] = _Staged(lambda: self._apply_plan(plan), time.monotonic() + ttl, plan)
-        return message({"ok": True})
-
-    async def stage_import(self, txn: str, payload: Message, replace: bool, ttl: float) -> Message:
-        """Validates and stages whole partitions from `load`."""
-        try:
-            header, arrays = open_message(payload)
-            restored = [Partition.restore(_dump_from(h, arrays)) for h in header["dumps"]]
-            taken = [p.partition_id for p in restored if p.partition_id in self._parts]
-            if taken and not replace:
-                raise StoreError(
-                    f"partitions {preview(taken)} already exist; kv_clear them first or load "
-                    "with replace=True"
-                )
-        except StoreError as exc:
-            return error_message(exc)
-        self._staged[txn] = _Staged(
-            lambda: self._parts.update({p.partition_id: p for p in restored}),
-            time.monotonic() + ttl,
-        )
-        return message({"ok": True})
-
-    async def stage_declare(self, txn: str, partition_id: str, specs: bytes, ttl: float) -> Message:
-        """Validates and stages a declaration of field specs."""
-        try:
-            parsed = {name: FieldSpec.from_json(s) for name, s in json.loads(specs).items()}
-            (self._parts.get(partition_id) or Partition(partition_id)).new_specs(parsed)
-        except StoreError as exc:
-            return error_message(exc)
-
-        def apply() -> None:
-            self._parts.setdefault(partition_id, Partition(partition_id)).declare(parsed)
-
-        self._staged[txn] = _Staged(apply, time.monotonic() + ttl)
-        return message({"ok": True})
-
-    async def commit(self, txn: str) -> Message:
-        staged = self._staged.pop(txn, None)
-        if staged is None:
-            return error_message(StoreError(f"transaction {txn} expired before its commit; retry"))
-        staged.apply()
-        await self._notify()
-        return message({"ok": True})
-
-    async def abort(self, txn: str) -> None:
-        self._staged.pop(txn, None)
-
-    async def get(self, partition_id: str, keys: bytes, fields: bytes, timeout: float) -> Message:
-        """This shard's rows in key order, waiting up to `timeout` s for missing ones."""
-        wanted, names = json.loads(keys), json.loads(fields)
-        deadline = time.monotonic() + timeout
-        try:
-            async with self._cond:
-                while True:
-                    part = self._parts.get(partition_id) or Partition(partition_id)
-                    found = part.find(wanted, names)
-                    remaining = deadline - time.monotonic()
-                    if not found.missing or remaining <= 0:
-                        break
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._cond.wait(), remaining)
-        except StoreError as exc:
-            return error_message(exc)
-        if found.missing:
-            missing = {name: np.flatnonzero(mask).tolist() for name, mask in found.missing.items()}
-            return message({"missing": missing})
-        arrays: list[Any] = []
-        columns = {name: located.column() for name, located in found.located.items()}
-        return message({"fields": pack_columns(columns, arrays)}, arrays)
-
-    async def listing(self, partition_id: str) -> bytes:
-        part = self._parts.get(partition_id)
-        return json.dumps(part.listing() if part else {}).encode()
-
-    async def clear(self, partition_id: str, keys: bytes | None) -> int:
-        part = self._parts.get(partition_id)
-        if part is None:
-            return 0
-        if keys is None:
-            del self._parts[partition_id]
-            return len(part.key_ids)
-        return part.drop(json.loads(keys))
-
-    async def partitions(self) -> bytes:
-        return json.dumps(list(self._parts)).encode()
-
-    async def export(self, partition_id: str) -> Message:
-        part = self._parts.get(partition_id)
-        if part is None:
-            return message({"exists": False})
-        arrays: list[Any] = []
-        header = _dump_header(part.export(), arrays)
-        return message({"exists": True, "dump": header}, arrays)
-
-
-# -- the client ---------------------------------------------------------------------------------
 
 
 class RayStore(Store):
@@ -524,7 +293,7 @@ class RayStore(Store):
         for reply in self._replies(refs, self.default_timeout, "save", partition_id):
             header, arrays = open_message(reply)
             if header["exists"]:
-                dumps.append(_dump_from(header["dump"], arrays))
+                dumps.append(dump_from(header["dump"], arrays))
         if not dumps:
             raise StoreError(f"partition {partition_id!r} does not exist in {self.url}")
         return _concat_dumps(dumps)
@@ -540,7 +309,7 @@ class RayStore(Store):
 
     def _import_payload(self, dumps: Sequence[PartitionDump], shard: int) -> Any:
         arrays: list[Any] = []
-        headers = [_dump_header(_shard_part(d, shard, len(self._shards)), arrays) for d in dumps]
+        headers = [dump_header(_shard_part(d, shard, len(self._shards)), arrays) for d in dumps]
         return ray.put(message({"dumps": headers}, arrays))
 
     def close(self) -> None:
@@ -568,21 +337,16 @@ def _shard_part(dump: PartitionDump, shard: int, n_shards: int) -> PartitionDump
 
 def _concat_dumps(dumps: Sequence[PartitionDump]) -> PartitionDump:
     """One partition from the shards' parts (keys are disjoint across shards)."""
-    first = dumps[0]
     specs: dict[str, FieldSpec] = {}
+    names: dict[str, None] = {}
     for dump in dumps:
         specs.update(dump.specs)
+        names.update(dict.fromkeys(dump.columns))
     keys = [key for dump in dumps for key in dump.keys]
     present, columns = {}, {}
-    for name in specs:
-        parts = [(d.present.get(name), d.columns.get(name), len(d.keys)) for d in dumps]
-        if all(column is None for _, column, _ in parts):
-            continue
-        present[name] = np.concatenate(
-            [mask if mask is not None else np.zeros(n, np.bool_) for mask, _, n in parts]
-        )
-        from storage.columnar import concat, empty_column
-
-        chunks = [column for _, column, _ in parts if column is not None and column.n_rows]
-        columns[name] = concat(chunks) if chunks else empty_column(specs[name])
-    return PartitionDump(first.partition_id, keys, specs, present, columns)
+    for name in names:
+        masks = [d.present.get(name, np.zeros(len(d.keys), np.bool_)) for d in dumps]
+        present[name] = np.concatenate(masks)
+        parts = [d.columns[name] for d in dumps if name in d.columns and d.columns[name].n_rows]
+        columns[name] = concat(parts) if parts else empty_column(specs[name])
+    return PartitionDump(dumps[0].partition_id, keys, specs, present, columns)

@@ -38,14 +38,16 @@ def masked_sum(values: Tensor, mask: Tensor, *, dim: int | None = None) -> Tenso
 def masked_mean(values: Tensor, mask: Tensor, *, dim: int | None = None) -> Tensor:
     """Mean of `values` over real positions; 0 where there are none."""
     total = masked_sum(values=values, mask=mask, dim=dim)
-    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    count = torch.count_nonzero(mask) if dim is None else torch.count_nonzero(mask, dim=dim)
     return total / count.clamp(min=1).to(total.dtype)
 
 
 def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor:
     """Variance over all real positions (a scalar); 0 with fewer than 2 (unbiased) real values."""
     centered = _masked_centered(values=values, mask=mask)
-    return _variance_of_centered(centered=centered, count=int(mask.sum()), unbiased=unbiased)
+    return _variance_of_centered(
+        centered=centered, count=int(torch.count_nonzero(mask)), unbiased=unbiased
+    )
 
 
 def masked_whiten(
@@ -55,21 +57,21 @@ def masked_whiten(
 
     With `shift_mean=False` the mean is added back after scaling (only the scale changes).
     """
+    count = int(torch.count_nonzero(mask))
     centered = _masked_centered(values=values, mask=mask)  # 0 at masked positions
-    var = _variance_of_centered(centered=centered, count=int(mask.sum()), unbiased=True)
-    whitened = centered * torch.rsqrt(var + eps)
+    var = _variance_of_centered(centered=centered, count=count, unbiased=True)
+    whitened = centered.mul_(torch.rsqrt(var + eps))
     if not shift_mean:
-        mean = masked_mean(values=values, mask=mask)
-        whitened = torch.where(mask, whitened + mean, torch.zeros_like(whitened))
+        mean = masked_mean(values, mask)
+        whitened = whitened.add_(mean).masked_fill_(~mask, 0.0)
     return whitened
 
 
 def _masked_centered(*, values: Tensor, mask: Tensor) -> Tensor:
-    """values − (masked mean) at real positions, 0 at masked ones."""
-    mean = masked_mean(values=values, mask=mask)
-    return torch.where(
-        mask, values - mean, torch.zeros((), dtype=values.dtype, device=values.device)
-    )
+    """A new tensor: values − (masked mean) at real positions, 0 at masked ones."""
+    kept = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    mean = kept.sum() / max(int(torch.count_nonzero(mask)), 1)
+    return kept.sub_(mean).masked_fill_(~mask, 0.0)
 
 
 def _variance_of_centered(*, centered: Tensor, count: int, unbiased: bool) -> Tensor:

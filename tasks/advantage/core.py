@@ -58,6 +58,11 @@ def _check_token_tensors(response_mask: Tensor, **tensors: Tensor) -> None:
             )
 
 
+def _check_discount(*, gamma: float, lam: float) -> None:
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
+
+
 def discounted_reverse_cumsum(*, values: Tensor, factor: float, chunk: int = 64) -> Tensor:
     """y[:, t] = Σ_{s ≥ t} factor^(s − t) · values[:, s], i.e. y_t = x_t + factor · y_{t+1}.
 
@@ -73,23 +78,24 @@ def discounted_reverse_cumsum(*, values: Tensor, factor: float, chunk: int = 64)
         return values.clone()
     size = min(chunk, width)
     n_chunks = -(-width // size)
-    padded = torch.nn.functional.pad(values, (0, n_chunks * size - width))  # (B, C·K)
-    x = padded.view(batch, n_chunks, size)  # (B, C, K)
+    if n_chunks * size != width:
+        values = torch.nn.functional.pad(values, (0, n_chunks * size - width))  # (B, C·K)
+    x = values.reshape(batch, n_chunks, size)  # (B, C, K)
     # 1.
     offsets = torch.arange(size, device=values.device)
     gap = (offsets.unsqueeze(0) - offsets.unsqueeze(1)).to(values.dtype)  # (K, K): s − t
     base = torch.tensor(factor, dtype=values.dtype, device=values.device)
     powers = torch.where(gap >= 0, base.pow(gap.clamp(min=0)), 0.0)  # (K, K)
-    within = x @ powers.t()  # (B, C, K)
+    out = x @ powers.t()  # (B, C, K)
     # 2.
-    heads = within[:, :, 0].t().contiguous()  # (C, B)
+    heads = out[:, :, 0].t().contiguous()  # (C, B)
     span = float(base.pow(size))
     for c in range(n_chunks - 2, -1, -1):
         heads[c].add_(heads[c + 1], alpha=span)
     next_heads = torch.cat([heads[1:], heads.new_zeros(1, batch)]).t()  # (B, C)
     # 3.
     tail = base.pow((size - offsets).to(values.dtype))  # (K,): factor^(K − t)
-    out = within + next_heads.unsqueeze(2) * tail  # (B, C, K)
+    out.addcmul_(next_heads.unsqueeze(2), tail)  # (B, C, K)
     return out.reshape(batch, n_chunks * size)[:, :width]
 
 
@@ -104,12 +110,15 @@ class _Compaction:
 
 def _compaction(response_mask: Tensor) -> _Compaction:
     width = response_mask.shape[1]
-    lengths = response_mask.sum(dim=1)  # (B,)
+    lengths = torch.count_nonzero(response_mask, dim=1)  # (B,)
     positions = torch.arange(width, device=response_mask.device)
     packed_mask = positions.unsqueeze(0) < lengths.unsqueeze(1)  # (B, T)
-    identity = bool(torch.equal(packed_mask, response_mask))
+    if torch.equal(packed_mask, response_mask):
+        return _Compaction(
+            index=positions.expand_as(response_mask), packed_mask=packed_mask, identity=True
+        )
     index = torch.where(response_mask, response_mask.cumsum(dim=1) - 1, width)  # (B, T)
-    return _Compaction(index=index, packed_mask=packed_mask, identity=identity)
+    return _Compaction(index=index, packed_mask=packed_mask, identity=False)
 
 
 def _pack(x: Tensor, plan: _Compaction) -> Tensor:
@@ -121,12 +130,11 @@ def _pack(x: Tensor, plan: _Compaction) -> Tensor:
 
 
 def _unpack(x: Tensor, plan: _Compaction, response_mask: Tensor) -> Tensor:
-    """Inverse of `_pack`; masked positions get 0."""
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    """Inverse of `_pack` for an x that is 0 beyond each row's real tokens; masked positions 0."""
     if plan.identity or x.shape[1] == 0:
-        return torch.where(response_mask, x, zero)
+        return x
     back = x.gather(1, plan.index.clamp(max=x.shape[1] - 1))  # (B, T)
-    return torch.where(response_mask, back, zero)
+    return back.masked_fill_(~response_mask, 0.0)
 
 
 def gae(
@@ -146,19 +154,18 @@ def gae(
     4. returns = A + V (unwhitened); A optionally whitened over all real tokens of the batch.
     """
     _check_token_tensors(response_mask, token_rewards=token_rewards, values=values)
+    _check_discount(gamma=gamma, lam=lam)
     with torch.no_grad():
         zero = torch.zeros((), dtype=values.dtype, device=values.device)
         # 1.
         plan = _compaction(response_mask)
-        rewards, packed_values, real = (
-            _pack(token_rewards, plan),
-            _pack(values, plan),
-            plan.packed_mask,
-        )
+        rewards = _pack(token_rewards, plan)  # (B, T)
+        packed_values = _pack(values, plan)  # (B, T)
+        real = plan.packed_mask  # (B, T)
         # 2.
-        shifted = torch.where(real[:, 1:], packed_values[:, 1:], zero)  # (B, T − 1)
-        next_values = torch.nn.functional.pad(shifted, (0, 1))[:, : real.shape[1]]  # (B, T)
-        deltas = torch.where(real, rewards + gamma * next_values - packed_values, zero)  # (B, T)
+        packed_values = torch.where(real, packed_values, zero)  # (B, T); 0 past the end
+        deltas = rewards.masked_fill(~real, 0.0).sub_(packed_values)  # (B, T): r_t − V_t
+        deltas[:, :-1].add_(packed_values[:, 1:], alpha=gamma)  # + γ·V_{t+1}
         # 3.
         packed_advantages = discounted_reverse_cumsum(values=deltas, factor=gamma * lam)
         advantages = _unpack(packed_advantages, plan, response_mask)  # (B, T)
@@ -246,10 +253,10 @@ def reinforce_pp_advantage(
     """REINFORCE++: discounted return G_t = r_t + γ·G_next(t) over real tokens (masked ones are
     skipped), whitened over all real tokens of the batch. returns = G (unwhitened)."""
     _check_token_tensors(response_mask, token_rewards=token_rewards)
+    _check_discount(gamma=gamma, lam=1.0)
     with torch.no_grad():
-        zero = torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device)
         plan = _compaction(response_mask)
-        rewards = torch.where(plan.packed_mask, _pack(token_rewards, plan), zero)  # (B, T)
+        rewards = _pack(token_rewards, plan).masked_fill(~plan.packed_mask, 0.0)  # (B, T)
         packed_returns = discounted_reverse_cumsum(values=rewards, factor=gamma)
         returns = _unpack(packed_returns, plan, response_mask)  # (B, T)
         advantages = masked_whiten(returns, response_mask) if whiten else returns

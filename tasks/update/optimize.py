@@ -11,7 +11,9 @@ same step as one worker holding the whole batch.
 
 Models follow the Hugging Face convention `model(input_ids=…, attention_mask=…).logits`; for the
 critic, `logits[..., 0]` are the values (e.g. a token-classification head with one label).
-Metrics use verl's names. The model's train/eval mode is left as the caller set it.
+Micro-batches are moved to the model's device. Metrics use verl's names; with data parallelism
+the loss metrics are this worker's share (sum them over workers). The model's train/eval mode
+is left as the caller set it (turn dropout off for PPO, e.g. `model.eval()`).
 """
 
 from __future__ import annotations
@@ -326,8 +328,17 @@ def _actor_micro_step(
     }
 
 
-def _slice_rows(tensors: dict[str, Tensor], rows: Tensor, width: int) -> dict[str, Tensor]:
-    return {name: t[rows.to(t.device), :width] for name, t in tensors.items()}
+def _micro_batch(
+    batch: PackedBatch, tensors: dict[str, Tensor], rows: Tensor, device: torch.device
+) -> tuple[PackedBatch, dict[str, Tensor]]:
+    """Rows of the batch (trimmed to their own widths) and of the (B, T) tensors, on `device`."""
+    mb = batch.select(rows.to(batch.input_ids.device)).to(device)
+    width = mb.response_mask.shape[1]
+    return mb, {name: t[rows.to(t.device), :width].to(device) for name, t in tensors.items()}
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def actor_update(
@@ -356,6 +367,7 @@ def actor_update(
         per_token["ref_logprobs"] = ref_logprobs
     _check_per_token(batch, per_token)
     override = global_tokens if cfg.agg == "token-mean" else global_seqs
+    device = _model_device(model)
     tally = _Tally()
     for epoch in range(cfg.ppo_epochs):
         # 1.
@@ -375,11 +387,11 @@ def actor_update(
         for mini_rows, denominator in zip(minibatches, denominators):
             # 2.
             for micro_rows in torch.split(mini_rows, cfg.micro_batch_size):
-                mb = batch.select(micro_rows.to(batch.input_ids.device))
+                mb, mb_tensors = _micro_batch(batch, per_token, micro_rows, device)
                 parts = _actor_micro_step(
                     model=model,
                     mb=mb,
-                    mb_tensors=_slice_rows(per_token, micro_rows, mb.response_mask.shape[1]),
+                    mb_tensors=mb_tensors,
                     cfg=cfg,
                     loss_denominator=denominator,
                     tally=tally,
@@ -421,6 +433,8 @@ def _critic_micro_step(
     tally: _Tally,
 ) -> dict[str, float]:
     values = gather_response_values(values=_forward_logits(model, mb)[..., 0], batch=mb)  # (b, T)
+    if values.dtype in (torch.float16, torch.bfloat16):
+        values = values.float()
     out = value_loss(
         values=values,
         old_values=mb_tensors["old_values"],
@@ -460,6 +474,7 @@ def critic_update(
     per_token = {"old_values": old_values, "returns": returns}
     _check_per_token(batch, per_token)
     override = global_tokens if cfg.agg == "token-mean" else global_seqs
+    device = _model_device(model)
     tally = _Tally()
     for epoch in range(cfg.ppo_epochs):
         minibatches = _minibatch_rows(
@@ -477,11 +492,11 @@ def critic_update(
         )
         for mini_rows, denominator in zip(minibatches, denominators):
             for micro_rows in torch.split(mini_rows, cfg.micro_batch_size):
-                mb = batch.select(micro_rows.to(batch.input_ids.device))
+                mb, mb_tensors = _micro_batch(batch, per_token, micro_rows, device)
                 parts = _critic_micro_step(
                     model=model,
                     mb=mb,
-                    mb_tensors=_slice_rows(per_token, micro_rows, mb.response_mask.shape[1]),
+                    mb_tensors=mb_tensors,
                     cfg=cfg,
                     loss_denominator=denominator,
                     tally=tally,

@@ -122,31 +122,50 @@ def test_ray_actors_produce_and_consume_without_loss(ray_store: Store, pid: str)
     import ray
 
     @ray.remote(num_cpus=0)
-    class Worker:
-        def produce(self, url: str, pid: str, batches: list[int]) -> int:
+    class Worker:  # self-contained: the test module is not importable in Ray workers
+        def produce(self, url: str, pid: str, batches: list[int], size: int) -> int:
+            import torch
+
+            from storage import open_store
+
             store = open_store(url)
             for b in batches:
-                keys = _batch_keys(b)
-                store.kv_batch_put(keys, pid, _fields([int(k[1:]) for k in keys]))
+                index = list(range(b * size, (b + 1) * size))
+                fields = {
+                    "prompt_ids": [torch.full((i % 7,), i) for i in index],
+                    "scores": torch.tensor(index, dtype=torch.float32),
+                }
+                store.kv_batch_put([f"s{i}" for i in index], pid, fields)
             return len(batches)
 
-        def consume(self, url: str, pid: str, batches: list[int]) -> list[str]:
-            seen: Counter[str] = Counter()
-            _consume(open_store(url), pid, range(0), seen)()
+        def consume(self, url: str, pid: str, batches: list[int], size: int) -> list[float]:
+            from storage import open_store
+
+            store = open_store(url)
+            scores: list[float] = []
             for b in batches:
-                _consume(open_store(url), pid, range(b, b + 1), seen)()
-            return list(seen.elements())
+                keys = [f"s{i}" for i in range(b * size, (b + 1) * size)]
+                scores += store.kv_batch_get(keys, pid, ["scores"], timeout=60)["scores"].tolist()
+            return scores
 
     workers = [Worker.remote() for _ in range(3)]  # type: ignore[attr-defined]
-    url = ray_store.url
-    consumed_remote = workers[2].consume.remote(url, pid, list(range(0, N_BATCHES, 2)))
-    produced = [workers[w].produce.remote(url, pid, list(range(w, N_BATCHES, 2))) for w in (0, 1)]
-    seen: Counter[str] = Counter()
-    errors = _run_threads([_consume(ray_store, pid, range(1, N_BATCHES, 2), seen)])
-    assert errors == []
-    assert sum(ray.get(produced, timeout=120)) == N_BATCHES
-    seen.update(ray.get(consumed_remote, timeout=120))
-    assert len(seen) == N_BATCHES * BATCH and set(seen.values()) == {1}
-    assert len(ray_store.kv_list(pid)) == N_BATCHES * BATCH
-    for worker in workers:
-        ray.kill(worker)
+    try:
+        url = ray_store.url
+        evens, odds = list(range(0, N_BATCHES, 2)), list(range(1, N_BATCHES, 2))
+        consumed_remote = workers[2].consume.remote(url, pid, evens, BATCH)
+        produced = [
+            workers[w].produce.remote(url, pid, part, BATCH) for w, part in enumerate((evens, odds))
+        ]
+        seen: Counter[str] = Counter()
+        consumer = threading.Thread(target=_consume(ray_store, pid, range(1, N_BATCHES, 2), seen))
+        consumer.start()
+        assert sum(ray.get(produced, timeout=120)) == N_BATCHES
+        consumer.join(timeout=120)
+        assert not consumer.is_alive()
+        scores = ray.get(consumed_remote, timeout=120)
+        seen.update(f"s{int(score)}" for score in scores)
+        assert len(seen) == N_BATCHES * BATCH and set(seen.values()) == {1}
+        assert len(ray_store.kv_list(pid)) == N_BATCHES * BATCH
+    finally:
+        for worker in workers:
+            ray.kill(worker)

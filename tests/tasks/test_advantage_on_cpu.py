@@ -205,6 +205,15 @@ def test_gae_float32_and_zero_width() -> None:
 
 
 def test_gae_rejects_bad_inputs() -> None:
+    ok_mask = torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="gamma and lam"):
+        gae(
+            token_rewards=torch.zeros(1, 2),
+            values=torch.zeros(1, 2),
+            response_mask=ok_mask,
+            gamma=1.1,
+            lam=1.0,
+        )
     with pytest.raises(TypeError, match="bool"):
         gae(
             token_rewards=torch.zeros(1, 2),

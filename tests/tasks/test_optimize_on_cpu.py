@@ -76,13 +76,13 @@ def actor_inputs(model: nn.Module, batch: PackedBatch, seed: int) -> dict[str, T
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
-        current = gather_response_logprobs(logits=logits, batch=batch)
-    shape = current.shape
+        current = gather_response_logprobs(logits=logits, batch=batch).cpu()
+    shape, mask = current.shape, batch.response_mask.cpu()
     noise = torch.randn(shape, generator=generator, dtype=current.dtype) * 0.3
     return {
-        "old_logprobs": torch.where(batch.response_mask, current + noise, 0.0),
+        "old_logprobs": torch.where(mask, current + noise, 0.0),
         "advantages": torch.randn(shape, generator=generator, dtype=current.dtype),
-        "ref_logprobs": torch.where(batch.response_mask, current - noise.abs(), 0.0),
+        "ref_logprobs": torch.where(mask, current - noise.abs(), 0.0),
     }
 
 
@@ -315,3 +315,75 @@ def test_critic_micro_batch_split_invariant(agg: str) -> None:
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"):
         assert key in metrics_a and metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-10), key
     assert not torch.equal(model_a.score.weight, reference.score.weight)
+
+
+SYNC_WORKER = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from tasks.update import sync_gradients
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+model = nn.Linear(3, 2)
+model.weight.grad = torch.full((2, 3), float(rank + 1))  # rank 1 leaves the bias without a grad
+if rank == 0:
+    model.bias.grad = torch.ones(2)
+sync_gradients(model, 2)
+assert torch.equal(model.weight.grad, torch.full((2, 3), 3.0)), model.weight.grad  # 1 + 2, a SUM
+assert torch.equal(model.bias.grad, torch.ones(2)), model.bias.grad  # 1 + 0
+dist.destroy_process_group()
+"""
+
+
+def test_sync_gradients_sums_over_two_processes() -> None:
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", SYNC_WORKER, str(rank), str(port)],
+            cwd=root,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for worker in workers:
+        _, stderr = worker.communicate(timeout=120)
+        assert worker.returncode == 0, stderr
+
+
+@pytest.mark.gpu
+def test_actor_and_critic_update_on_cuda_with_a_cpu_batch() -> None:
+    # Workers keep the packed batch on the CPU; micro-batches must move to the model's device.
+    device = torch.device("cuda")
+    model = tiny_policy(seed=9, dtype=torch.float32).to(device)
+    batch = make_batch(9)
+    inputs = {k: v.float().cpu() for k, v in actor_inputs(model, batch.to(device), seed=9).items()}
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    metrics = actor_update(
+        model=model,
+        optimizer=optimizer,
+        batch=batch,
+        cfg=ActorUpdateSettings(mini_batch_size=4, micro_batch_size=2, kl_loss_coef=0.1),
+        **inputs,
+    )
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    critic = tiny_critic(seed=9, dtype=torch.bfloat16).to(device)
+    zeros = torch.zeros(batch.response_mask.shape)
+    metrics = critic_update(
+        model=critic,
+        optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-3),
+        batch=batch,
+        old_values=zeros,
+        returns=zeros + 1,
+        cfg=CriticUpdateSettings(),
+    )
+    assert torch.isfinite(torch.tensor(metrics["critic/vf_loss"]))

@@ -1,0 +1,373 @@
+"""Benchmark: put and get through ppoflow's store, its Ray backend, raw Ray, and TransferQueue.
+
+Run:  .venv/bin/python benchmarks/store.py [--repeats 15] [--skip-tq]
+
+Batches hold `prompt_ids` (jagged int64 token ids) and `old_logprobs` (jagged float32 of the
+same lengths), passed as `torch.jagged` nested tensors:
+
+    a: 256 rows, lengths uniform in 64..1024      b: 2048 such rows
+    c: 256 rows, lengths uniform in 4096..16384
+
+Systems, all in one run (medians of repeats, each repeat a fresh partition):
+
+- memcpy bound: `torch.cat` of the same rows, both fields (what any copy costs);
+- embedded: `memory://` put and get;
+- ray backend: `ray://` with 2 shards, driven from a separate process (a Ray actor client);
+- raw ray: one packed numpy buffer (both fields' values and offsets) through the object store:
+  `ray.put` in the client, and `ray.get` in the client of a buffer another process put
+  (a zero-copy view: the floor for any Ray transfer);
+- transferqueue 0.1.11: runs in its own venv, `benchmarks/.venvs/tq` (built on first use:
+  `python3 -m venv`, `pip install torch==2.13.0 numpy`, then `transferqueue==0.1.11`), as a
+  subprocess of that venv that prints JSON. If it cannot be installed or run in bounded time,
+  the table says why and the rest is still measured.
+
+Prints a table and writes `benchmarks/results/store.json`. Numbers on a shared machine are
+noisy: the JSON records the load average next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TQ_VENV = ROOT / "benchmarks" / ".venvs" / "tq"
+TQ_VERSION = "0.1.11"
+RESULTS = ROOT / "benchmarks" / "results" / "store.json"
+CASES = {"a": (256, 64, 1024), "b": (2048, 64, 1024), "c": (256, 4096, 16384)}
+FIELDS = ("prompt_ids", "old_logprobs")
+Timings = dict[str, dict[str, float]]  # case -> {"put": s, "get": s, "bytes": n}
+
+
+# -- data and timing (imported by the peer venv too: stdlib + torch only) -------------------------
+
+
+def make_batch(case: str, seed: int = 0) -> dict[str, Any]:
+    """The case's fields as NJTs, plus its keys and byte count."""
+    import torch
+
+    rows, low, high = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (rows,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    total = int(offsets[-1])
+    ids = torch.randint(0, 50_000, (total,), generator=g)
+    logprobs = -torch.rand(total, generator=g)
+    njt = torch.nested.nested_tensor_from_jagged
+    return {
+        "fields": {"prompt_ids": njt(ids, offsets), "old_logprobs": njt(logprobs, offsets)},
+        "lengths": lengths.tolist(),
+        "bytes": total * (8 + 4) + 2 * offsets.numel() * 8,
+    }
+
+
+def median_time(run: Callable[[int], float], repeats: int, warmup: int = 2) -> float:
+    """Median of `run(i)`, which returns the seconds of its timed section."""
+    for i in range(warmup):
+        run(-1 - i)
+    return statistics.median(run(i) for i in range(repeats))
+
+
+def time_put_get(
+    put: Callable[[int], object],
+    get: Callable[[int], object],
+    clear: Callable[[int], object],
+    repeats: int,
+) -> dict[str, float]:
+    """Median put and get seconds; repeat i puts, gets, then (untimed) clears partition i."""
+    puts, gets = [], []
+    for i in range(-2, repeats):  # two warm-up repeats
+        start = time.perf_counter()
+        put(i)
+        middle = time.perf_counter()
+        get(i)
+        puts.append(middle - start)
+        gets.append(time.perf_counter() - middle)
+        clear(i)
+    return {"put": statistics.median(puts[2:]), "get": statistics.median(gets[2:])}
+
+
+def _timed(action: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+# -- systems in this venv -----------------------------------------------------------------------
+
+
+def _memcpy_case(case: str, repeats: int) -> dict[str, float]:
+    import torch
+
+    batch = make_batch(case)
+    rows = [list(value.unbind()) for value in batch["fields"].values()]
+
+    def copy_rows(_: int) -> float:
+        return _timed(lambda: [torch.cat(parts) for parts in rows])
+
+    seconds = median_time(copy_rows, repeats)
+    return {"put": seconds, "get": seconds, "bytes": batch["bytes"]}
+
+
+def bench_memcpy(repeats: int) -> Timings:
+    return {case: _memcpy_case(case, repeats) for case in CASES}
+
+
+def _store_case(store: Any, case: str, repeats: int) -> dict[str, float]:
+    batch = make_batch(case)
+    keys = [f"sample-{j}" for j in range(len(batch["lengths"]))]
+    timings = time_put_get(
+        lambda i: store.kv_batch_put(keys, f"bench/{case}/{i}", batch["fields"]),
+        lambda i: store.kv_batch_get(keys, f"bench/{case}/{i}", FIELDS, timeout=60),
+        lambda i: store.kv_clear(f"bench/{case}/{i}"),
+        repeats,
+    )
+    _check(store.kv_batch_put(keys, "bench/check", batch["fields"]), store, batch)
+    store.kv_clear("bench/check")
+    return {**timings, "bytes": batch["bytes"]}
+
+
+def bench_store(url: str, repeats: int) -> Timings:
+    """put/get medians of a store URL, in this process."""
+    from storage import open_store
+
+    store = open_store(url)
+    return {case: _store_case(store, case, repeats) for case in CASES}
+
+
+def _check(meta: Any, store: Any, batch: dict[str, Any]) -> None:
+    """A benchmark that returns wrong data measures nothing: compare once per case."""
+    import torch
+
+    td = store.kv_batch_get(list(meta.keys), meta.partition_id, FIELDS, timeout=60)
+    for name in FIELDS:
+        assert torch.equal(td[name].values(), batch["fields"][name].values()), name
+        assert td[name].offsets().diff().tolist() == batch["lengths"], name
+
+
+def _raw_case(case: str, repeats: int, holder: Any) -> dict[str, float]:
+    import numpy as np
+    import ray
+
+    batch = make_batch(case)
+    parts = []
+    for value in batch["fields"].values():
+        parts += [value.values().numpy().view(np.uint8), value.offsets().numpy().view(np.uint8)]
+    packed = np.concatenate(parts)
+    put = median_time(lambda _: _timed(lambda: ray.put(packed)), repeats)
+    refs = [ray.get(holder.hold.remote(len(packed)), timeout=60)[0] for _ in range(repeats + 2)]
+    get = median_time(lambda i: _timed(lambda: ray.get(refs[i], timeout=60)), repeats)
+    return {"put": put, "get": get, "bytes": batch["bytes"]}
+
+
+def bench_raw_ray(repeats: int, holder: Any) -> Timings:
+    """ray.put of one packed buffer here; ray.get here of a buffer `holder` (another process) put."""
+    return {case: _raw_case(case, repeats, holder) for case in CASES}
+
+
+def bench_ray_side(repeats: int) -> tuple[Timings, Timings]:
+    """The Ray backend and raw Ray, both driven from a client actor in another process."""
+    import ray
+
+    sys.path.insert(0, str(ROOT))
+    from storage import open_store
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        store = open_store("ray://bench-store?shards=2&timeout=120")
+        holder = ray.remote(num_cpus=0)(_Holder).remote()
+        client = ray.remote(num_cpus=0)(_Client).remote(str(ROOT))
+        backend = ray.get(client.store.remote(store.url, repeats), timeout=900)
+        raw = ray.get(client.raw.remote(repeats, holder), timeout=900)
+        store.close()
+        return backend, raw
+    finally:
+        ray.shutdown()
+
+
+class _Holder:
+    """Puts buffers from its own process, so the client's ray.get reads a foreign object."""
+
+    def hold(self, nbytes: int) -> list[Any]:
+        import numpy as np
+        import ray
+
+        return [ray.put(np.ones(nbytes, np.uint8))]
+
+
+class _Client:
+    """Runs the Ray-side measurements in a process of its own."""
+
+    def __init__(self, root: str) -> None:
+        sys.path.insert(0, root)
+
+    def store(self, url: str, repeats: int) -> Timings:
+        return bench_store(url, repeats)
+
+    def raw(self, repeats: int, holder: Any) -> Timings:
+        return bench_raw_ray(repeats, holder)
+
+
+# -- TransferQueue in its own venv -----------------------------------------------------------------
+
+
+def _run(cmd: list[str], timeout: float) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout)[-800:]
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({done.returncode}): {tail}")
+
+
+def ensure_tq_venv() -> Path:
+    """The TQ venv's python, building the venv on first use (bounded by timeouts)."""
+    python = TQ_VENV / "bin" / "python"
+    marker = TQ_VENV / ".installed"
+    if marker.exists():
+        return python
+    _run([sys.executable, "-m", "venv", str(TQ_VENV)], timeout=300)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    _run(pip + ["torch==2.13.0", "numpy"], timeout=1800)
+    _run(pip + [f"transferqueue=={TQ_VERSION}"], timeout=1800)
+    marker.write_text(TQ_VERSION)
+    return python
+
+
+def bench_tq(repeats: int) -> dict[str, Any]:
+    """TransferQueue's timings, or why it is unavailable."""
+    try:
+        python = ensure_tq_venv()
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "tq.json"
+            cmd = [str(python), __file__, "--tq-peer", str(out), "--repeats", str(repeats)]
+            _run(cmd, timeout=900)
+            return {"available": True, "timings": json.loads(out.read_text())}
+    except (RuntimeError, OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+        return {"available": False, "reason": f"{type(exc).__name__}: {exc}"[:1000]}
+
+
+def _tq_case(tq: Any, case: str, repeats: int) -> dict[str, float]:
+    from tensordict import TensorDict
+
+    batch = make_batch(case)
+    keys = [f"sample-{j}" for j in range(len(batch["lengths"]))]
+    fields = TensorDict(batch["fields"], batch_size=[len(keys)])
+    timings = time_put_get(
+        lambda i: tq.kv_batch_put(keys=keys, partition_id=f"bench-{case}-{i}", fields=fields),
+        lambda i: tq.kv_batch_get(
+            keys=keys, partition_id=f"bench-{case}-{i}", select_fields=list(FIELDS)
+        ),
+        lambda i: tq.kv_clear(keys=keys, partition_id=f"bench-{case}-{i}"),
+        repeats,
+    )
+    return {**timings, "bytes": batch["bytes"]}
+
+
+def tq_peer(out: Path, repeats: int) -> None:
+    """Runs inside the TQ venv: time TransferQueue's KV API on the same batches."""
+    import ray
+    import transfer_queue as tq
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    tq.init()
+    try:
+        out.write_text(json.dumps({case: _tq_case(tq, case, repeats) for case in CASES}))
+    finally:
+        tq.close()
+        ray.shutdown()
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def targets(systems: dict[str, Any]) -> dict[str, Any]:
+    """Each target of the issue with the measured ratio and whether it is met."""
+    emb, ray_, raw = systems["embedded"], systems["ray backend"], systems["raw ray"]
+    tq = systems["transferqueue"].get("timings")
+    found: dict[str, Any] = {}
+
+    def ratio(name: str, value: float, goal: float) -> None:
+        found[name] = {"ratio": round(value, 2), "goal": goal, "met": value >= goal}
+
+    for op in ("put", "get"):
+        if tq:
+            ratio(f"embedded {op} vs TQ on (a), x faster", tq["a"][op] / emb["a"][op], 20)
+            ratio(f"ray backend {op} vs TQ on (a), x faster", tq["a"][op] / ray_["a"][op], 5)
+        ratio(f"ray backend {op} vs raw ray on (a), speed ratio", raw["a"][op] / ray_["a"][op], 0.7)
+    trip = (raw["a"]["put"] + raw["a"]["get"]) / (ray_["a"]["put"] + ray_["a"]["get"])
+    ratio("ray backend put+get vs raw ray on (a), speed ratio", trip, 0.7)
+    for name in ("embedded", "ray backend"):
+        t = systems[name]
+        for op in ("put", "get"):
+            per_byte = (t["b"][op] / t["b"]["bytes"]) / (t["a"][op] / t["a"]["bytes"])
+            found[f"{name} {op}: (b) per byte / (a) per byte"] = {
+                "ratio": round(per_byte, 2), "goal": "<= 2", "met": per_byte <= 2,
+            }  # fmt: skip
+    return found
+
+
+def table(systems: dict[str, Any]) -> str:
+    lines = [
+        f"{'system':<16}" + "".join(f"{c + ' put':>11}{c + ' get':>11}" for c in CASES) + "   (ms)"
+    ]
+    for name, timings in systems.items():
+        if name == "transferqueue":
+            if not timings["available"]:
+                lines.append(f"{name:<16}unavailable: {timings['reason'][:120]}")
+                continue
+            timings = timings["timings"]
+        cells = "".join(
+            f"{timings[c]['put'] * 1e3:>11.2f}{timings[c]['get'] * 1e3:>11.2f}" for c in CASES
+        )
+        lines.append(f"{name:<16}{cells}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--skip-tq", action="store_true")
+    parser.add_argument("--tq-peer", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.tq_peer:
+        tq_peer(args.tq_peer, args.repeats)
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    sys.path.insert(0, str(ROOT))
+    systems: dict[str, Any] = {"memcpy bound": bench_memcpy(args.repeats)}
+    systems["embedded"] = bench_store("memory://", args.repeats)
+    systems["ray backend"], systems["raw ray"] = bench_ray_side(args.repeats)
+    skipped = {"available": False, "reason": "skipped (--skip-tq)"}
+    systems["transferqueue"] = skipped if args.skip_tq else bench_tq(args.repeats)
+    report = {
+        "cases": {c: dict(zip(("rows", "min_len", "max_len"), v)) for c, v in CASES.items()},
+        "repeats": args.repeats,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_avg": os.getloadavg(),
+        },
+        "seconds": systems,
+        "targets": targets(systems),
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2))
+    print(table(systems))
+    for name, target in report["targets"].items():
+        print(
+            f"{'met ' if target['met'] else 'MISS'}  {name}: {target['ratio']} (goal {target['goal']})"
+        )
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

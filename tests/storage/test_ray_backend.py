@@ -1,0 +1,68 @@
+"""Ray-specific behaviour: named attach, ownership on close, routing, cross-shard atomicity."""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+
+import pytest
+import torch
+
+from storage import ConflictError, SchemaError, Store, StoreError, open_store
+from storage.ray_backend import RayStore
+from storage.ray_shard import actor_name, shard_of
+
+
+def _keys_on(shard: int, n: int, prefix: str = "k") -> list[str]:
+    """The first n keys `prefix<i>` that hash to `shard` of 2."""
+    keys = [f"{prefix}{i}" for i in range(200)]
+    return [k for k, s in zip(keys, shard_of(keys, 2).tolist()) if s == shard][:n]
+
+
+def test_routing_is_a_stable_crc32() -> None:
+    keys = ["a", "prompt-7/3", "é"]
+    assert shard_of(keys, 3).tolist() == [zlib.crc32(k.encode()) % 3 for k in keys]
+
+
+def test_a_failed_cross_shard_put_stores_nothing_on_any_shard(ray_store: Store, pid: str) -> None:
+    left, right = _keys_on(0, 3), _keys_on(1, 3)
+    ray_store.kv_batch_put(right[:1], pid, {"scores": torch.tensor([1.0])})
+    keys = left + right
+    with pytest.raises(ConflictError, match=right[0]):
+        ray_store.kv_batch_put(keys, pid, {"scores": torch.zeros(6)})
+    assert list(ray_store.kv_list(pid)) == right[:1]  # shard 0 staged its rows, then aborted
+    with pytest.raises(SchemaError):
+        ray_store.kv_batch_put(keys, pid, {"scores": torch.zeros(6, dtype=torch.float64)})
+    assert list(ray_store.kv_list(pid)) == right[:1]
+
+
+def test_named_store_is_shared_and_closed_by_its_creator(ray_local: object) -> None:
+    import ray
+
+    name = f"shared-{uuid.uuid4().hex[:6]}"
+    owner = open_store(f"ray://{name}?shards=2&timeout=20")
+    assert isinstance(owner, RayStore)
+    guest = open_store(owner.url)
+    guest.kv_batch_put(["a", "b", "c"], "p", {"scores": torch.arange(3.0)})
+    assert owner.kv_batch_get(["c", "a"], "p", ["scores"], timeout=5)["scores"].tolist() == [
+        2.0,
+        0.0,
+    ]
+    with pytest.raises(StoreError, match="2 shards"):
+        open_store(f"ray://{name}?shards=3")
+    guest.close()  # an attached handle leaves the shards running
+    assert owner.kv_list("p") != {}
+    owner.close()
+    for i in range(2):
+        with pytest.raises(ValueError):
+            ray.get_actor(actor_name(name, i), namespace="ppoflow")
+    with pytest.raises(StoreError, match="closed"):
+        owner.kv_list("p")
+
+
+def test_open_needs_a_running_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(StoreError, match="ray.init"):
+        open_store("ray://nowhere")
