@@ -18,7 +18,7 @@ import datetime
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
 import yaml
@@ -206,8 +206,12 @@ def deploy_all(
     ids: dict[str, UUID] = {}
     for spec in specs:
         assert spec.work_pool is not None
-        flow_obj = Flow.from_source(source=str(path.parent), entrypoint=spec.entrypoint)
-        ids[f"{flow_obj.name}/{spec.name}"] = flow_obj.deploy(
+        # Both calls are sync here (Prefect dispatches on the caller's context).
+        flow_obj = cast(
+            "Flow[..., Any]",
+            Flow.from_source(source=str(path.parent), entrypoint=spec.entrypoint),
+        )
+        deployment_id = flow_obj.deploy(
             name=spec.name,
             work_pool_name=spec.work_pool.name,
             work_queue_name=spec.work_pool.work_queue_name,
@@ -223,6 +227,7 @@ def deploy_all(
             print_next_steps=False,
             ignore_warnings=True,
         )
+        ids[f"{flow_obj.name}/{spec.name}"] = cast(UUID, deployment_id)
     return ids
 
 
@@ -245,14 +250,17 @@ def load_flow(spec: DeploymentSpec) -> Flow[..., Any]:
 def runner_deployments(specs: Sequence[DeploymentSpec]) -> list[RunnerDeployment]:
     """The served form of ``specs``: same names, parameters, schedules; no work pool."""
     return [
-        load_flow(spec).to_deployment(
-            name=spec.name,
-            schedules=spec.prefect_schedules,
-            concurrency_limit=spec.concurrency_limit,
-            parameters=spec.parameters,
-            description=spec.description,
-            tags=spec.tags,
-            version=spec.version,
+        cast(
+            "RunnerDeployment",
+            load_flow(spec).to_deployment(
+                name=spec.name,
+                schedules=spec.prefect_schedules,
+                concurrency_limit=spec.concurrency_limit,
+                parameters=spec.parameters,
+                description=spec.description,
+                tags=spec.tags,
+                version=spec.version,
+            ),
         )
         for spec in specs
     ]

@@ -16,7 +16,7 @@ copies stall when cores are shared), and becomes torch tensors without a copy at
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,8 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 AnyArray = npt.NDArray[Any]
 
-_MAX_RUNS = 64  # above this many runs of consecutive rows, gather with one vectorized index
+_MAX_RUNS = 64  # up to this many runs of consecutive rows, always copy run by run
+_MIN_RUN_ELEMENTS = 48  # past _MAX_RUNS, runs shorter than this on average use one vectorized index
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -98,19 +99,63 @@ def concat(parts: Sequence[Column]) -> Column:
 
 
 def gather(chunks: Sequence[Column], chunk_ids: IntArray, rows: IntArray) -> Column:
-    """Row i of the result is row `rows[i]` of `chunks[chunk_ids[i]]`; always a fresh copy."""
+    """Row i of the result is row `rows[i]` of `chunks[chunk_ids[i]]`; always a fresh copy.
+
+    Runs of consecutive rows are copied as slices (one memcpy each); many short runs use one
+    vectorized index instead, whose cost per element beats a Python step per run.
+    """
     if rows.size == 0:
         return empty_column(chunks[0].spec)
     breaks = (chunk_ids[1:] != chunk_ids[:-1]) | (rows[1:] != rows[:-1] + 1)
     starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
     if starts.size > _MAX_RUNS:
-        return _gather_rows(chunks, chunk_ids, rows)
+        elements = sum(chunk.values.shape[0] for chunk in chunks)
+        per_run = elements / max(1, sum(chunk.n_rows for chunk in chunks)) * rows.size / starts.size
+        if chunks[0].offsets is None or per_run < _MIN_RUN_ELEMENTS:
+            return _gather_rows(chunks, chunk_ids, rows)
     stops = np.append(starts[1:], rows.size)
-    parts = [
-        chunks[int(chunk_ids[a])].slice(int(rows[a]), int(rows[b - 1]) + 1)
-        for a, b in zip(starts.tolist(), stops.tolist())
+    return _gather_runs(chunks, chunk_ids, rows, starts, stops)
+
+
+def _per_chunk(
+    chunks: Sequence[Column],
+    chunk_ids: IntArray,
+    pick_from: Callable[[Column, BoolArray], AnyArray],
+) -> AnyArray:
+    """`out[i] = pick_from(chunk, mask)[...]` assembled over the chunks that `chunk_ids` names."""
+    out: AnyArray = np.empty(chunk_ids.size, np.int64)
+    for c in np.unique(chunk_ids).tolist():
+        mask = chunk_ids == c
+        out[mask] = pick_from(chunks[c], mask)
+    return out
+
+
+def _gather_runs(
+    chunks: Sequence[Column], chunk_ids: IntArray, rows: IntArray, starts: IntArray, stops: IntArray
+) -> Column:
+    """`gather` as one slice per run of consecutive rows of one chunk."""
+    spec = chunks[0].spec
+    run_chunk, first, last = chunk_ids[starts], rows[starts], rows[stops - 1] + 1
+    if spec.kind == "dense":
+        lo, hi = first, last
+    else:
+        lo = _per_chunk(chunks, run_chunk, lambda chunk, m: _offsets(chunk)[first[m]])
+        hi = _per_chunk(chunks, run_chunk, lambda chunk, m: _offsets(chunk)[last[m]])
+    pieces = [
+        chunks[c].values[a:b] for c, a, b in zip(run_chunk.tolist(), lo.tolist(), hi.tolist())
     ]
-    return parts[0].copy() if len(parts) == 1 else concat(parts)
+    values = pieces[0].copy() if len(pieces) == 1 else np.concatenate(pieces)
+    if spec.kind == "dense":
+        return Column(spec, values, owned=True)
+    lengths = _per_chunk(chunks, chunk_ids, lambda chunk, m: chunk.lengths()[rows[m]])
+    offsets = np.zeros(rows.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return Column(spec, values, offsets, owned=True)
+
+
+def _offsets(column: Column) -> IntArray:
+    assert column.offsets is not None, "dense columns have no offsets"
+    return column.offsets
 
 
 def _ranges(starts: IntArray, lengths: IntArray) -> IntArray:

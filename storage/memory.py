@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from tensordict import TensorDict
@@ -65,6 +66,12 @@ class MemoryStore(Store):
             return
         with _named_lock:
             self._state = _named.setdefault(name, _State())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise StoreError(
+            f"{self.url} lives in this process and cannot be pickled; pass a ray:// store (or "
+            "its URL) to other processes"
+        )
 
     def kv_batch_put(
         self, keys: Sequence[str], partition_id: str, fields: Fields, *, overwrite: bool = False

@@ -39,6 +39,7 @@ from storage.base import (
 from storage.columnar import BoolArray, Column, IntArray, concat, empty_column, gather
 from storage.convert import to_columns, to_tensordict
 from storage.errors import SchemaError, StoreError, StoreTimeout
+from storage.factory import open_store
 from storage.meta import BatchMeta
 from storage.partition import PartitionDump
 from storage.ray_shard import StoreShard, actor_name, dump_from, dump_header, shard_of
@@ -47,6 +48,7 @@ from storage.wire import keys_blob, message, open_message, pack_columns, unpack_
 
 DEFAULT_SHARDS = 2
 _GRACE_S = 10.0  # how much longer than a shard's own wait the client waits for its reply
+_MIN_RPC_S = 30.0  # the least any other shard call is given, even with a short default_timeout
 
 
 class RayStore(Store):
@@ -58,10 +60,13 @@ class RayStore(Store):
         url = f"ray://{name}?shards={len(shards)}&namespace={namespace}&timeout={timeout:g}"
         super().__init__(url, timeout)
         self.name = name
-        self._namespace = namespace
         self._shards = shards
         self._owned = owned
-        self._closed = False
+        self._rpc_timeout = max(timeout, _MIN_RPC_S)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        """Unpickles as a new handle attached by URL (which never kills the shards on close)."""
+        return (open_store, (self.url,))
 
     @classmethod
     def open(cls, name: str, shards: int, namespace: str, timeout: float) -> RayStore:
@@ -82,7 +87,8 @@ class RayStore(Store):
             )
 
         first = start(0, shards or DEFAULT_SHARDS)
-        config = json.loads(ray.get(first.config.remote(), timeout=timeout))
+        rpc_timeout = max(timeout, _MIN_RPC_S)
+        config = json.loads(ray.get(first.config.remote(), timeout=rpc_timeout))
         total = int(config["shards"])
         if shards and shards != total:
             raise StoreError(
@@ -92,7 +98,7 @@ class RayStore(Store):
         handles = [first] + [start(i, total) for i in range(1, total)]
         configs = [config] + [
             json.loads(c)
-            for c in ray.get([h.config.remote() for h in handles[1:]], timeout=timeout)
+            for c in ray.get([h.config.remote() for h in handles[1:]], timeout=rpc_timeout)
         ]
         return cls(name, namespace, handles, [c["owner"] == token for c in configs], timeout)
 
@@ -130,7 +136,7 @@ class RayStore(Store):
         """Stages a change on every shard, then commits it, or aborts it everywhere."""
         txn = uuid.uuid4().hex
         replies = self._replies(
-            [stage(s, txn) for s in shards], self.default_timeout, "prepare", partition_id
+            [stage(s, txn) for s in shards], self._rpc_timeout, "prepare", partition_id
         )
         errors = []
         for reply in replies:
@@ -141,13 +147,13 @@ class RayStore(Store):
         if errors:
             self._replies(
                 [self._shards[s].abort.remote(txn) for s in shards],
-                self.default_timeout,
+                self._rpc_timeout,
                 "abort",
                 partition_id,
             )
             raise errors[0]
         commits = [self._shards[s].commit.remote(txn) for s in shards]
-        for reply in self._replies(commits, self.default_timeout, "commit", partition_id):
+        for reply in self._replies(commits, self._rpc_timeout, "commit", partition_id):
             open_message(reply)
 
     # -- the verbs ---------------------------------------------------------------------------------
@@ -165,9 +171,9 @@ class RayStore(Store):
         if len(routes) == 1:
             ((s, rows),) = routes.items()
             ref = self._shards[s].put.remote(partition_id, shard_keys[s], rows, payload, overwrite)
-            open_message(self._replies([ref], self.default_timeout, "put", partition_id)[0])
+            open_message(self._replies([ref], self._rpc_timeout, "put", partition_id)[0])
         else:
-            ttl = self.default_timeout * 2
+            ttl = self._rpc_timeout * 2
 
             def stage(s: int, txn: str) -> Any:
                 args = (partition_id, shard_keys[s], routes[s], payload, overwrite, ttl)
@@ -249,7 +255,7 @@ class RayStore(Store):
     def kv_list(self, partition_id: str) -> dict[str, list[str]]:
         refs = [shard.listing.remote(partition_id) for shard in self._shards]
         listing: dict[str, list[str]] = {}
-        for reply in self._replies(refs, self.default_timeout, "kv_list", partition_id):
+        for reply in self._replies(refs, self._rpc_timeout, "kv_list", partition_id):
             listing.update(json.loads(reply))
         return listing
 
@@ -266,14 +272,14 @@ class RayStore(Store):
                 )
                 for s, rows in routes.items()
             ]
-        return sum(self._replies(refs, self.default_timeout, "kv_clear", partition_id))
+        return sum(self._replies(refs, self._rpc_timeout, "kv_clear", partition_id))
 
     def declare(self, partition_id: str, specs: Mapping[str, FieldSpec]) -> None:
         check_partition_id(partition_id)
         blob = json.dumps(
             {n: s.to_json() for n, s in check_specs(specs, partition_id).items()}
         ).encode()
-        ttl = self.default_timeout * 2
+        ttl = self._rpc_timeout * 2
 
         def stage(s: int, txn: str) -> Any:
             return self._shards[s].stage_declare.remote(txn, partition_id, blob, ttl)
@@ -283,14 +289,14 @@ class RayStore(Store):
     def partitions(self) -> list[str]:
         refs = [shard.partitions.remote() for shard in self._shards]
         seen: dict[str, None] = {}
-        for reply in self._replies(refs, self.default_timeout, "partitions", ""):
+        for reply in self._replies(refs, self._rpc_timeout, "partitions", ""):
             seen.update(dict.fromkeys(json.loads(reply)))
         return list(seen)
 
     def _export(self, partition_id: str) -> PartitionDump:
         refs = [shard.export.remote(partition_id) for shard in self._shards]
         dumps = []
-        for reply in self._replies(refs, self.default_timeout, "save", partition_id):
+        for reply in self._replies(refs, self._rpc_timeout, "save", partition_id):
             header, arrays = open_message(reply)
             if header["exists"]:
                 dumps.append(dump_from(header["dump"], arrays))
@@ -299,7 +305,7 @@ class RayStore(Store):
         return _concat_dumps(dumps)
 
     def _import(self, dumps: Sequence[PartitionDump], replace: bool) -> None:
-        ttl = self.default_timeout * 2
+        ttl = self._rpc_timeout * 2
         payloads = [self._import_payload(dumps, s) for s in range(len(self._shards))]
 
         def stage(s: int, txn: str) -> Any:

@@ -27,11 +27,14 @@ def _rows(column: Column) -> list[list[int]]:
     return [column.values[o[i] : o[i + 1]].tolist() for i in range(column.n_rows)]
 
 
-@pytest.mark.parametrize("n_picks", [1, 5, 40, 300])  # few runs (slices) and many (vectorized)
-def test_gather_matches_a_per_row_loop(n_picks: int) -> None:
+@pytest.mark.parametrize(
+    ("n_picks", "max_len"),
+    [(1, 6), (5, 6), (40, 6), (300, 6), (300, 200)],  # few runs; many short (vectorized), many long
+)
+def test_gather_matches_a_per_row_loop(n_picks: int, max_len: int) -> None:
     rng = np.random.default_rng(n_picks)
     chunks = [
-        _jagged([list(rng.integers(0, 99, rng.integers(0, 6))) for _ in range(50)])
+        _jagged([list(rng.integers(0, 99, rng.integers(0, max_len))) for _ in range(50)])
         for _ in range(3)
     ]
     chunk_ids = rng.integers(0, 3, n_picks)

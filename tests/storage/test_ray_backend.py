@@ -66,3 +66,22 @@ def test_open_needs_a_running_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(StoreError, match="ray.init"):
         open_store("ray://nowhere")
+
+
+def test_a_pickled_handle_attaches_by_url_and_cannot_kill_the_shards(
+    ray_store: Store, pid: str
+) -> None:
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(ray_store))
+    assert copy.url == ray_store.url
+    copy.kv_batch_put(["a"], pid, {"scores": torch.ones(1)})
+    copy.close()
+    assert ray_store.kv_list(pid) == {"a": ["scores"]}
+
+
+def test_memory_stores_refuse_to_be_pickled() -> None:
+    import pickle
+
+    with pytest.raises(StoreError, match="ray://"):
+        pickle.dumps(open_store("memory://"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -27,6 +27,16 @@ from tasks.update import (
 )
 
 VOCAB = 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine every
+    parallel op can stall for a scheduler slice; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_config(**extra: object) -> LlamaConfig:
