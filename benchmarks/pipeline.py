@@ -49,7 +49,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,7 @@ QUIET_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
     "PYTHONWARNINGS": "ignore",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
 }
 
 
@@ -109,7 +110,11 @@ class Peer:
 PEERS = {
     "grpo": Peer("grpo", "trl_grpo.py", "trl-1.16.0", "trl==1.16.0", "from trl import GRPOTrainer"),
     "ppo": Peer(
-        "ppo", "trl_ppo.py", "trl-1.12.0", "trl==1.12.0", "from trl.experimental.ppo import PPOTrainer"
+        "ppo",
+        "trl_ppo.py",
+        "trl-1.12.0",
+        "trl==1.12.0",
+        "from trl.experimental.ppo import PPOTrainer",
     ),
 }
 
@@ -360,9 +365,15 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
         fields = worker.forward(prompts, responses)
     with timed(t, "advantage"):
         group_ids = torch.arange(len(rows)).repeat_interleave(n)  # (B,)
-        d = compute(ctx, {**fields, "response_ids": responses, "scores": scores, "group_ids": group_ids}, step)
+        d = compute(
+            ctx,
+            {**fields, "response_ids": responses, "scores": scores, "group_ids": group_ids},
+            step,
+        )
         lengths = responses.lengths
-        fields.update({k: Jagged.from_rows(unpad(d[k], lengths)) for k in ("advantages", "returns")})
+        fields.update(
+            {k: Jagged.from_rows(unpad(d[k], lengths)) for k in ("advantages", "returns")}
+        )
     with timed(t, "update"):
         names = [k for k in reads(ctx) if k not in ("prompt_ids", "response_ids")]
         worker.update(prompts, responses, {k: fields[k] for k in names})
@@ -406,7 +417,9 @@ def child_main(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     total = args.warmup + args.steps + 1  # the last step also evaluates: never timed
     run_dir = Path(args.work) / "runs" / f"{args.mode}-{args.child.replace('+', '-')}"
-    cfg = ppoflow_config(args.mode, Path(args.work), run_dir, total_steps=total, threads=args.threads)
+    cfg = ppoflow_config(
+        args.mode, Path(args.work), run_dir, total_steps=total, threads=args.threads
+    )
     rows, stamps, store_s = RUNNERS[args.child](cfg)
     timed_steps = range(args.warmup, args.warmup + args.steps)
     print(
@@ -431,11 +444,11 @@ class TreeMemory(threading.Thread):
     ``driver`` (the root), ``workers`` (Ray ``PPOWorker`` actors), ``other`` (Ray daemons, idle
     Ray workers, Prefect's server ...)."""
 
-    def __init__(self, pid: int, period_s: float = 0.2) -> None:
+    def __init__(self, pid: int, period_s: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.pid, self.period_s = pid, period_s
         self.peak = {"system": 0, "tree": 0, "driver": 0, "workers": 0}
-        self.seen: set[int] = set()
+        self.seen: dict[int, str] = {}  # pid -> start time
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -448,8 +461,8 @@ class TreeMemory(threading.Thread):
 
     def sample(self) -> None:
         kinds: dict[str, int] = defaultdict(int)
-        for pid in descendants(self.pid):
-            self.seen.add(pid)
+        for pid, start in descendants(self.pid).items():
+            self.seen[pid] = start
             kinds[process_kind(pid, self.pid)] += rss_bytes(pid)
         now = {
             "system": kinds["driver"] + kinds["workers"],
@@ -463,20 +476,26 @@ class TreeMemory(threading.Thread):
         return {k: round(v / 2**20, 1) for k, v in self.peak.items()}
 
 
-def descendants(root: int) -> list[int]:
-    """``root`` and every process below it (from each /proc/PID/stat's parent id)."""
+def proc_stat(pid: int | str) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: [state, ppid, ..., starttime at 19]."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(root: int) -> dict[int, str]:
+    """``root`` and every process below it, each with its start time (pids get reused)."""
     children: dict[int, list[int]] = defaultdict(list)
+    started: dict[int, str] = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(f"/proc/{entry.name}/stat").read_text()
-            except OSError:
-                continue
-            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry.name))
-    out, todo = [], [root]
+        if entry.name.isdigit() and (fields := proc_stat(entry.name)) is not None:
+            children[int(fields[1])].append(int(entry.name))
+            started[int(entry.name)] = fields[19]
+    out, todo = {}, [root]
     while todo:
         pid = todo.pop()
-        out.append(pid)
+        out[pid] = started.get(pid, "")
         todo.extend(children.get(pid, []))
     return out
 
@@ -498,7 +517,9 @@ def process_kind(pid: int, root: int) -> str:
     return "workers" if cmdline.startswith(b"ray::PPOWorker") else "other"
 
 
-def run_child(cmd: list[str], *, env: dict[str, str], timeout_s: float, log: Path) -> dict[str, Any]:
+def run_child(
+    cmd: list[str], *, env: dict[str, str], timeout_s: float, log: Path
+) -> dict[str, Any]:
     """Run ``cmd``; its last JSON line on stdout plus peak memory and load, or the failure."""
     load_before = os.getloadavg()
     with log.open("w") as err:
@@ -509,28 +530,34 @@ def run_child(cmd: list[str], *, env: dict[str, str], timeout_s: float, log: Pat
         memory.start()
         try:
             out, _ = proc.communicate(timeout=timeout_s)
-            failure = None if proc.returncode == 0 else f"exited {proc.returncode} (see {log})"
+            failure = None if proc.returncode == 0 else f"exited {proc.returncode}"
         except subprocess.TimeoutExpired:
-            out, failure = "", f"timed out after {timeout_s:.0f} s (see {log})"
+            out, failure = "", f"timed out after {timeout_s:.0f} s"
         finally:
             memory.stop()
             end_processes(memory.seen)
+            proc.wait(timeout=30)
     result = next(
         (json.loads(line) for line in reversed(out.splitlines()) if line.startswith("{")),
         None,
     )
     if result is None:
-        result = {"ok": False, "reason": failure or f"no JSON result on stdout (see {log})"}
+        tail = log.read_text(errors="replace")[-1500:]
+        result = {
+            "ok": False,
+            "reason": f"{failure or 'no JSON line on stdout'}; stderr ends: {tail}",
+        }
     return {**result, "peak_rss_mb": memory.peak_mb(), "load_avg": [load_before, os.getloadavg()]}
 
 
-def end_processes(pids: set[int]) -> None:
-    """Kill what the child started and left running (pids this run saw in its tree)."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+def end_processes(seen: dict[int, str]) -> None:
+    """Kill what the child started and left running: the pids its tree had, if each is still
+    the same process (same start time)."""
+    for pid, start in seen.items():
+        fields = proc_stat(pid)
+        if fields is not None and fields[19] == start:
+            with suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def child_env(work: Path) -> dict[str, str]:
@@ -541,12 +568,13 @@ def child_env(work: Path) -> dict[str, str]:
     return env
 
 
-def run_ppoflow(mode: str, variant: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def run_ppoflow(
+    mode: str, variant: str, args: argparse.Namespace, work: Path, tag: str
+) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, "--mode", mode]
     cmd += ["--work", str(work), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--threads", str(args.threads)]
-    log = work / f"ppoflow-{mode}-{variant.replace('+', '-')}.log"
-    print(f"  ppoflow {mode} {variant} ...", flush=True)
+    log = work / f"ppoflow-{mode}-{variant.replace('+', '-')}-{tag}.log"
     return run_child(cmd, env=child_env(work), timeout_s=CHILD_TIMEOUT_S, log=log)
 
 
@@ -557,7 +585,10 @@ def ensure_venv(peer: Peer) -> tuple[Path | None, str]:
     python = venv / "bin" / "python"
     probe = [str(python), "-c", peer.probe]
     env = {**os.environ, **QUIET_ENV}
-    if python.exists() and subprocess.run(probe, capture_output=True, env=env, timeout=600).returncode == 0:
+    if (
+        python.exists()
+        and subprocess.run(probe, capture_output=True, env=env, timeout=600).returncode == 0
+    ):
         return python, f"{peer.requirement} (venv reused)"
     print(f"  building {venv} (torch==2.13.0 numpy, then {peer.requirement}) ...", flush=True)
     steps = [
@@ -581,74 +612,83 @@ def ensure_venv(peer: Peer) -> tuple[Path | None, str]:
     return python, f"{peer.requirement} (venv built)"
 
 
-def run_peer(peer: Peer, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    python, detail = ensure_venv(peer)
-    if python is None:
-        return {"ok": False, "reason": detail}
+def run_peer(
+    peer: Peer, python: Path, args: argparse.Namespace, work: Path, tag: str
+) -> dict[str, Any]:
     cmd = [str(python), str(PEERS_DIR / peer.script), "--work", str(work)]
     cmd += ["--out", str(work / f"trl-{peer.mode}-out"), "--steps", str(args.steps)]
     cmd += ["--warmup", str(args.warmup), "--threads", str(args.threads), "--lr", str(WORK.lr)]
     cmd += ["--completions", str(WORK.completions), "--group-size", str(WORK.group_size)]
     cmd += ["--response-tokens", str(WORK.response_tokens), "--kl-coef", str(WORK.kl_coef)]
     cmd += ["--lam", str(WORK.lam)]
-    print(f"  {peer.requirement} {peer.mode} ...", flush=True)
     env = {**os.environ, **QUIET_ENV}
-    result = run_child(cmd, env=env, timeout_s=PEER_TIMEOUT_S, log=work / f"trl-{peer.mode}.log")
-    return {**result, "detail": detail}
+    log = work / f"trl-{peer.mode}-{tag}.log"
+    return run_child(cmd, env=env, timeout_s=PEER_TIMEOUT_S, log=log)
 
 
 # ------------------------------------------------------------------------------ the report
-def med(values: list[float] | None) -> float | None:
-    return statistics.median(values) if values else None
+def pooled(results: list[dict[str, Any]], key: str) -> list[float]:
+    return [v for r in results if r.get("ok") and r.get(key) for v in r[key]]
 
 
-def summarise(result: dict[str, Any]) -> dict[str, Any]:
-    """Medians of a child's timed steps (ms), tokens/s, peak memory, load."""
-    if not result.get("ok"):
-        return {"ok": False, "reason": result.get("reason"), "peak_rss_mb": result.get("peak_rss_mb")}
-    step = med(result["step_s"])
-    tokens = med(result["tokens"])
-    out = {
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the timed steps of every round (ms), tokens/s, peak memory, load."""
+    ok = [r for r in results if r.get("ok")]
+    failures = [r.get("reason") for r in results if not r.get("ok")]
+    if not ok:
+        return {"ok": False, "reason": "; ".join(str(f) for f in failures)}
+    step, tokens = statistics.median(pooled(ok, "step_s")), statistics.median(pooled(ok, "tokens"))
+    peaks = [r["peak_rss_mb"] for r in ok]
+    out: dict[str, Any] = {
         "ok": True,
         "step_ms": round(1e3 * step, 1),
         "tokens_per_step": tokens,
         "tokens_per_s": round(tokens / step, 1),
-        "peak_rss_mb": result["peak_rss_mb"],
-        "load_avg_before_after": result["load_avg"],
-        "step_s_all": [round(s, 4) for s in result["step_s"]],
+        "peak_rss_mb": {k: max(p[k] for p in peaks) for k in peaks[0]},
+        "rounds": [
+            {
+                "step_ms": round(1e3 * statistics.median(r["step_s"]), 1),
+                "load_avg_before_after": [
+                    round(x, 2) for x in (*r["load_avg"][0], *r["load_avg"][1])
+                ],
+                "wall_s": round(r["wall_s"], 1),
+            }
+            for r in ok
+        ],
+        "failed_rounds": failures,
     }
-    if "iteration_s" in result:
-        out["iteration_ms"] = round(1e3 * med(result["iteration_s"]), 1)
-        out["stages_ms"] = {s: round(1e3 * med(v), 1) for s, v in result["stages_s"].items()}
-        if result.get("store_s"):
-            out["store_ms"] = round(1e3 * med(result["store_s"]), 2)
-    for key in ("detail", "prompt_width", "rows", "peak_rss_self_mb", "versions", "settings"):
-        if key in result:
-            out[key] = result[key]
+    if "iteration_s" in ok[0]:
+        out["iteration_ms"] = round(1e3 * statistics.median(pooled(ok, "iteration_s")), 1)
+        stages = {s: [v for r in ok for v in r["stages_s"][s]] for s in STAGES}
+        out["stages_ms"] = {s: round(1e3 * statistics.median(v), 1) for s, v in stages.items()}
+        if pooled(ok, "store_s"):
+            out["store_ms"] = round(1e3 * statistics.median(pooled(ok, "store_s")), 2)
+    for key in ("prompt_width", "peak_rss_self_mb", "versions", "settings"):
+        if key in ok[0]:
+            out[key] = ok[0][key]
     return out
 
 
 def overhead(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Flow vs direct, and where the difference goes (ms per step; % of the direct iteration)."""
+    """Flow vs direct, and where the difference goes (ms per step)."""
     flow, staged, direct = rows["flow"], rows["ray+store"], rows["direct"]
     if not (flow["ok"] and staged["ok"] and direct["ok"]):
         return {"available": False}
-    base = direct["iteration_ms"]
-    store = staged.get("store_ms", 0.0)
-    parts = {
-        "store_ms": store,
-        "ray_and_bookkeeping_ms": round(staged["iteration_ms"] - base - store, 1),
-        "prefect_tasks_ms": round(flow["iteration_ms"] - staged["iteration_ms"], 1),
-        "per_step_reporting_ms": round(flow["step_ms"] - flow["iteration_ms"], 1),
-    }
+    base, store = direct["iteration_ms"], staged.get("store_ms", 0.0)
+    step_pct = 100 * (flow["step_ms"] / direct["step_ms"] - 1)
     return {
         "available": True,
+        "step_pct": round(step_pct, 1),
         "iteration_pct": round(100 * (flow["iteration_ms"] / base - 1), 1),
-        "step_pct": round(100 * (flow["step_ms"] / direct["step_ms"] - 1), 1),
         "by_stage_ms": {s: round(flow["stages_ms"][s] - direct["stages_ms"][s], 1) for s in STAGES},
-        "parts": parts,
+        "parts_ms": {
+            "store": store,
+            "ray_and_loop_bookkeeping": round(staged["iteration_ms"] - base - store, 1),
+            "prefect_tasks": round(flow["iteration_ms"] - staged["iteration_ms"], 1),
+            "per_step_reporting": round(flow["step_ms"] - flow["iteration_ms"], 1),
+        },
         "target_pct": 100 * OVERHEAD_TARGET,
-        "met": flow["step_ms"] / direct["step_ms"] - 1 <= OVERHEAD_TARGET,
+        "met": step_pct <= 100 * OVERHEAD_TARGET,
     }
 
 
@@ -656,45 +696,58 @@ def compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
     if not (ours.get("ok") and theirs.get("ok")):
         return {"speedup": None, "met": None, "reason": theirs.get("reason") or ours.get("reason")}
     speedup = ours["tokens_per_s"] / theirs["tokens_per_s"]
-    return {"speedup": round(speedup, 2), "target": SPEEDUP_TARGET, "met": speedup >= SPEEDUP_TARGET}
+    return {
+        "speedup": round(speedup, 2),
+        "target": SPEEDUP_TARGET,
+        "met": speedup >= SPEEDUP_TARGET,
+    }
 
 
-def fmt(value: Any, spec: str = ".1f", width: int = 9) -> str:
+def fmt(value: Any, spec: str = ".0f", width: int = 9) -> str:
     return f"{value:>{width}{spec}}" if isinstance(value, int | float) else f"{'-':>{width}}"
 
 
 def print_report(report: dict[str, Any]) -> None:
-    print(f"\nmedians of {report['settings']['steps']} steps after {report['settings']['warmup']} warm-up; ms")
-    head = "".join(f"{s[:9]:>10}" for s in STAGES)
-    print(f"{'mode':<5}{'system':<17}{head}{'iter':>8}{'step':>8}{'tok/s':>8}{'RSS MB':>8}{'tree MB':>8}")
+    s = report["settings"]
+    print(
+        f"\nms; medians of {s['steps']} steps x {s['rounds']} rounds after {s['warmup']} warm-up; "
+        f"torch threads {s['torch_threads']}; RSS = driver + PPOWorker actors, tree = all processes"
+    )
+    head = "".join(f"{name[:9]:>10}" for name in STAGES)
+    print(
+        f"{'mode':<5}{'system':<11}{head}{'iter':>7}{'step':>7}{'tok/s':>7}{'RSS MB':>8}{'tree MB':>8}"
+    )
     for mode, block in report["results"].items():
-        for name, row in [*block["ppoflow"].items(), ("trl", block["trl"])]:
+        for name, row in [*block["ppoflow"].items(), (block["trl_name"], block["trl"])]:
             if not row.get("ok"):
-                print(f"{mode:<5}{name:<17}failed: {row.get('reason')}")
+                print(f"{mode:<5}{name:<11}failed: {row.get('reason')}")
                 continue
-            stages = "".join(fmt(row.get("stages_ms", {}).get(s), width=10) for s in STAGES)
+            stages = "".join(fmt(row.get("stages_ms", {}).get(n), width=10) for n in STAGES)
             mem = row["peak_rss_mb"]
             print(
-                f"{mode:<5}{name:<17}{stages}{fmt(row.get('iteration_ms'), width=8)}"
-                f"{fmt(row['step_ms'], width=8)}{fmt(row['tokens_per_s'], '.0f', 8)}"
-                f"{fmt(mem['system'], '.0f', 8)}{fmt(mem['tree'], '.0f', 8)}"
+                f"{mode:<5}{name:<11}{stages}{fmt(row.get('iteration_ms'), width=7)}"
+                f"{fmt(row['step_ms'], width=7)}{fmt(row['tokens_per_s'], width=7)}"
+                f"{fmt(mem.get('system'), width=8)}{fmt(mem.get('tree'), width=8)}"
             )
     for mode, block in report["results"].items():
         o, c = block["overhead"], block["vs_trl"]
         if o["available"]:
             print(
-                f"{mode}: flow overhead vs direct {o['step_pct']:+.1f}% per step "
-                f"({o['iteration_pct']:+.1f}% iteration only; target <= {o['target_pct']:.0f}%: "
-                f"{o['met']}); parts ms {o['parts']}"
+                f"{mode}: flow vs direct {o['step_pct']:+.1f}% per step ({o['iteration_pct']:+.1f}% "
+                f"iteration only), target <= {o['target_pct']:.0f}%: {o['met']}; ms: {o['parts_ms']}"
             )
-        print(f"{mode}: ppoflow flow / TRL tokens/s = {c['speedup']} (target >= {SPEEDUP_TARGET}: {c['met']})")
+        print(
+            f"{mode}: ppoflow flow tokens/s / TRL = {c['speedup']} "
+            f"(target >= {SPEEDUP_TARGET}: {c['met']}{'; ' + str(c.get('reason')) if c.get('reason') else ''})"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per system")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per system and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps (>= 1)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating the order")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every system")
     parser.add_argument("--modes", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
     parser.add_argument("--skip-peers", action="store_true", help="ppoflow only (no TRL venvs)")
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -703,7 +756,7 @@ def main() -> None:
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warmup < 1:
-        parser.error("--warmup must be >= 1 (a step's time is measured from the previous step's end)")
+        parser.error("--warmup must be >= 1 (a step is timed from the previous step's end)")
     if args.child:
         child_main(args)
         return
@@ -715,36 +768,54 @@ def main() -> None:
     print(f"wrote {args.output}")
 
 
+def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """ppoflow three ways and the TRL peer, ``--rounds`` times, the order reversed every round."""
+    peer = PEERS[mode]
+    python, detail = (None, "skipped (--skip-peers)") if args.skip_peers else ensure_venv(peer)
+    raw: dict[str, list[dict[str, Any]]] = {name: [] for name in (*VARIANTS, "trl")}
+    for round_index in range(args.rounds):
+        order = [*VARIANTS, "trl"][:: 1 if round_index % 2 == 0 else -1]
+        for name in order:
+            print(f"  {mode} round {round_index + 1}/{args.rounds}: {name} ...", flush=True)
+            tag = f"r{round_index}"
+            if name != "trl":
+                raw[name].append(run_ppoflow(mode, name, args, work, tag))
+            elif python is None:
+                raw[name].append({"ok": False, "reason": detail})
+            else:
+                raw[name].append(run_peer(peer, python, args, work, tag))
+    ours = {name: summarise(raw[name]) for name in VARIANTS}
+    theirs = {**summarise(raw["trl"]), "detail": detail}
+    return {
+        "ppoflow": ours,
+        "trl_name": f"trl {peer.requirement.split('==')[1]}",
+        "trl": theirs,
+        "overhead": overhead(ours),
+        "vs_trl": compare(ours["flow"], theirs),
+    }
+
+
 def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """1. Build the work, 2. ppoflow three ways per mode, 3. the TRL peer per mode."""
+    """1. Build the work, 2. per mode: ppoflow three ways and the TRL peer, in rounds."""
     import torch
 
     from infra.assets import build_tiny_assets
 
     print(f"building the work in {work} ...", flush=True)
     params = build_work(work)
-    build_tiny_assets(work / "tiny-assets", seed=WORK.seed)
-    results: dict[str, Any] = {}
-    for mode in args.modes:
-        ours = {v: summarise(run_ppoflow(mode, v, args, work)) for v in VARIANTS}
-        theirs = (
-            {"ok": False, "reason": "skipped (--skip-peers)"}
-            if args.skip_peers
-            else summarise(run_peer(PEERS[mode], args, work))
-        )
-        results[mode] = {
-            "ppoflow": ours,
-            "trl": theirs,
-            "overhead": overhead(ours),
-            "vs_trl": compare(ours["flow"], theirs),
-        }
+    build_tiny_assets(work / "tiny-assets", seed=WORK.seed)  # ppoflow's prompt data
+    load_start = os.getloadavg()
+    results = {mode: run_mode(mode, args, work) for mode in args.modes}
     return {
         "work": {**asdict(WORK), **params},
-        "settings": {"steps": args.steps, "warmup": args.warmup, "torch_threads": args.threads},
-        "method": "each system in its own subprocess; step = time between consecutive step ends "
-        "(ppoflow flow: metrics rows logged; TRL: on_step_end); tokens/s = generated tokens per "
-        "step / median step; peak RSS summed over the driver and PPOWorker actors (tree: every "
-        "descendant process), sampled every 0.2 s from /proc",
+        "settings": {
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "torch_threads": args.threads,
+        },
+        "method": METHOD,
+        "load_avg": {"start": load_start, "end": os.getloadavg()},
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -753,6 +824,17 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         },
         "results": results,
     }
+
+
+METHOD = (
+    "each system runs in its own subprocess, --rounds times, the order reversed every round; "
+    "a step is the time between the ends of consecutive steps (ppoflow flow: its metrics row "
+    "logged; ray+store and direct: the loop; TRL: on_step_end), medians pooled over rounds; "
+    "iteration = ppoflow's timing_s/step (without per-step reporting); tokens/s = generated "
+    "tokens per step / median step; peak RSS sampled every 0.5 s from /proc: system = driver + "
+    "Ray PPOWorker actors (TRL: its process), tree = every descendant process (Ray daemons, "
+    "idle Ray workers, Prefect's temporary server)"
+)
 
 
 if __name__ == "__main__":

@@ -55,14 +55,14 @@ def _plot(args: argparse.Namespace) -> int:
 def _deploy(args: argparse.Namespace) -> int:
     from flows.deploy import deploy_all
 
-    deploy_all(Path(args.prefect_yaml))
+    deploy_all(Path(args.prefect_yaml), names=args.name or None)
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
     from flows.deploy import serve_all
 
-    serve_all(names=args.name or None)
+    serve_all(names=args.name or None, prefect_yaml=Path(args.prefect_yaml))
     return 0
 
 
@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     plot.set_defaults(fn=_plot)
     deploy = sub.add_parser("deploy", help="register the deployments in prefect.yaml")
     deploy.add_argument("--prefect-yaml", default="prefect.yaml")
+    deploy.add_argument("--name", action="append", help="deployment name(s) to register (default: all)")
     deploy.set_defaults(fn=_deploy)
     serve = sub.add_parser("serve", help="serve the deployments (no work pool needed)")
     serve.add_argument("--name", action="append", help="deployment name(s) to serve (default: all)")
+    serve.add_argument("--prefect-yaml", default="prefect.yaml")
     serve.set_defaults(fn=_serve)
     args = parser.parse_args(argv)
     return int(args.fn(args))
