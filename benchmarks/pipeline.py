@@ -2,36 +2,43 @@
 ppoflow beside TRL (GRPO and PPO) on the same small work, on CPU.
 
 Run:  make bench-pipeline   (= .venv/bin/python benchmarks/pipeline.py)
-      .venv/bin/python benchmarks/pipeline.py [--steps 10] [--warmup 3] [--skip-peers]
+      .venv/bin/python benchmarks/pipeline.py [--steps 10] [--warmup 3] [--rounds 2]
+                                              [--threads 1] [--modes grpo ppo] [--skip-peers]
 
 The work: a GPT-2 style policy (4 layers, width 256, 4 heads, ~3.2M parameters), a GPT-2 reward
 model (4 layers, width 128, ~0.8M), a character tokenizer of 56 tokens (pad != eos), 27-token
 prompts, 16 completions per step of exactly 64 tokens (min_new_tokens = max_new_tokens). GRPO
-takes 4 prompts x 4 samples; PPO takes 16 prompts x 1 with a critic (GAE, lambda 0.95), a
-reference and a k1 KL penalty of 0.05 in the reward (TRL's PPO always has both). One PPO epoch,
-one optimizer step per batch, the same lr and torch thread count everywhere. The models are
-built here with fixed seeds, saved with ``save_pretrained`` into a temporary folder and loaded
-from there by every system.
+takes 4 prompts x 4 samples, no reference; PPO takes 16 prompts x 1 with a critic (GAE, lambda
+0.95), a reference and a k1 KL penalty of 0.05 in the reward (TRL's PPO always has both). One
+PPO epoch, one optimizer step per batch, lr 1e-4 everywhere, fp32, and the same torch thread
+count in every process (default 1: on a shared 2-core machine a second OpenMP thread made steps
+up to 20x slower under load). The models are built here with fixed seeds, saved with
+``save_pretrained`` into a temporary folder and loaded from there by every system.
 
-What is measured, each system in its own subprocess (warm-up steps dropped, then the median of
-``--steps`` steps; a step is the time between the ends of consecutive steps; tokens/s is the
-generated tokens of a step over its median time):
+What is measured, each system in its own subprocess; the first ``--warmup`` steps are dropped,
+then ``--steps`` steps are timed, ``--rounds`` times; medians pool the rounds; tokens/s is the
+generated tokens of a step over the median step:
 
-1. ppoflow three ways: ``flow`` (``flows.train.ppo_train``: Prefect tasks, Ray workers, the
-   ``memory://`` store; stage times from ``metrics.jsonl``), ``ray+store`` (the same
-   ``Trainer.iteration`` with each Prefect task replaced by its plain function, store calls
-   timed) and ``direct`` (the same ``PPOWorker`` methods called in-process: no Prefect, no store,
-   no Ray). Overhead = flow / direct - 1, split into store, Ray and Prefect.
-2. TRL in its own venvs under ``benchmarks/.venvs/`` (git-ignored), built on first use:
-   ``trl==1.16.0`` for GRPOTrainer, ``trl==1.12.0`` for PPOTrainer (``trl.experimental.ppo``,
-   the last release with it); scripts in ``benchmarks/peers/``. A peer that cannot be built or
-   fails leaves its row with the reason.
-3. Peak memory: summed RSS sampled from /proc every 0.2 s: for ppoflow the driver plus its Ray
-   worker actors (and, separately, the whole process tree: Ray daemons, Prefect's server); for
-   TRL its process.
+1. ppoflow three ways, started together and then taking turns step by step (step k of flow,
+   then of ray+store, then of direct), so paired steps see the same machine load:
+   ``flow`` (``flows.train.ppo_train``: Prefect tasks, Ray workers, the ``memory://`` store;
+   stage times from ``metrics.jsonl``; a step runs from taking the turn to its metrics row being
+   logged), ``ray+store`` (the same ``Trainer.iteration`` with each Prefect task replaced by its
+   plain ``.fn``, store calls timed) and ``direct`` (the same ``PPOWorker`` methods called
+   in-process: no Prefect, no store, no Ray). Overhead = median over paired steps of
+   flow / direct - 1, split into store, Ray (and the loop's bookkeeping), Prefect tasks and
+   per-step reporting.
+2. TRL alone, in its own venv under ``benchmarks/.venvs/`` (git-ignored), built on first use
+   (``python3 -m venv``, ``pip install torch==2.13.0 numpy`` first, then ``trl==1.16.0`` for
+   GRPOTrainer or ``trl==1.12.0`` for PPOTrainer, the last release with ``trl.experimental.ppo``);
+   scripts in ``benchmarks/peers/``; a step is the time between consecutive ``on_step_end``.
+   A peer that cannot be built or fails leaves its row with the reason.
+3. Peak memory: summed RSS sampled from /proc every 0.5 s: for ppoflow the driver plus its Ray
+   ``PPOWorker`` actors (``tree``: every process below the driver, Ray's daemons and Prefect's
+   temporary server included); for TRL its process.
 
-Prints a table and writes ``benchmarks/results/pipeline.json`` (with the load average: the
-machine is shared, numbers are noisy). A test never runs this.
+Prints a table and writes ``benchmarks/results/pipeline.json`` with the load average of every
+run (the machine is shared: numbers are noisy). A test never runs this.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -255,22 +262,84 @@ def resolved_models(cfg: Any) -> Any:
 
 
 # ------------------------------------------------------------------- ppoflow, three ways
-def run_flow(cfg: Any) -> tuple[list[dict[str, float]], list[float], list[float]]:
-    """The real ``ppo_train``; each step's end is stamped when its metrics row is logged."""
+class Baton:
+    """Turn-taking between ppoflow variants run side by side: a file names whose step is next.
+
+    The three variants start together and then run their steps in turn (flow, ray+store,
+    direct, flow, ...), so step k of each sees nearly the same machine load: their ratio is
+    measured on paired steps even while other work comes and goes. Without a path, no-ops.
+    """
+
+    def __init__(self, path: str | None, name: str) -> None:
+        self.path = Path(path) if path else None
+        self.name = name
+        self.next = VARIANTS[(VARIANTS.index(name) + 1) % len(VARIANTS)]
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while self.path is not None:
+            turn = self.path.read_text() if self.path.exists() else ""
+            if turn == self.name:
+                return
+            if turn == "abort" or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: the paired run stopped ({turn or 'timeout'})")
+            time.sleep(0.005)
+
+    def pass_on(self) -> None:
+        if self.path is not None:
+            tmp = self.path.with_name(f"{self.path.name}.{self.name.replace('+', '-')}")
+            tmp.write_text(self.next)
+            tmp.replace(self.path)
+
+
+@dataclass
+class Run:
+    """Per-step metrics rows, seconds of each step's turn, and store seconds (ray+store)."""
+
+    rows: list[dict[str, float]]
+    step_s: list[float]
+    store_s: list[float] = field(default_factory=list)
+
+
+def run_flow(cfg: Any, baton: Baton) -> Run:
+    """The real ``ppo_train``; a step runs from taking the turn to its metrics row being logged."""
     import flows.report
     from flows.train import ppo_train
 
-    stamps: list[float] = []
-    log = flows.report.RunReport.log
+    begins, ends = [], []
+    start, log = flows.report.RunReport.start, flows.report.RunReport.log
 
-    def stamped_log(self: Any, step: int, metrics: dict[str, float]) -> None:
+    def take_turn() -> None:
+        baton.wait()
+        begins.append(time.perf_counter())
+
+    def hooked_start(self: Any, step: int) -> None:
+        start(self, step)
+        take_turn()
+
+    def hooked_log(self: Any, step: int, metrics: dict[str, float]) -> None:
         log(self, step, metrics)
-        stamps.append(time.perf_counter())
+        ends.append(time.perf_counter())
+        baton.pass_on()
+        if step < cfg.trainer.total_steps - 1:
+            take_turn()
 
-    flows.report.RunReport.log = stamped_log  # type: ignore[method-assign]
+    flows.report.RunReport.start = hooked_start  # type: ignore[method-assign]
+    flows.report.RunReport.log = hooked_log  # type: ignore[method-assign]
     summary = ppo_train(cfg)
     lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines], stamps, []
+    return Run([json.loads(line) for line in lines], [e - b for b, e in zip(begins, ends)])
+
+
+def turns(baton: Baton, steps: int, iteration: Any) -> Iterator[tuple[dict[str, float], float]]:
+    """Each step's metrics row and seconds, run in turn."""
+    for step in range(steps):
+        baton.wait()
+        begin = time.perf_counter()
+        row = iteration(step)
+        seconds = time.perf_counter() - begin
+        baton.pass_on()
+        yield row, seconds
 
 
 class TimedStore:
@@ -295,7 +364,7 @@ class TimedStore:
         return timed
 
 
-def run_staged(cfg: Any) -> tuple[list[dict[str, float]], list[float], list[float]]:
+def run_staged(cfg: Any, baton: Baton) -> Run:
     """``Trainer.iteration`` on Ray workers and the store, each Prefect task's plain ``.fn``."""
     import storage
     from flows.loop import STAGES as TASKS
@@ -307,19 +376,18 @@ def run_staged(cfg: Any) -> tuple[list[dict[str, float]], list[float], list[floa
     open_store = storage.open_store
     storage.open_store = lambda url: opened.append(TimedStore(open_store(url))) or opened[-1]
     runtime = build_runtime(cfg, models)
-    rows, stamps, store_s = [], [], []
+    run = Run([], [])
     try:
         trainer = Trainer(cfg, runtime, models, cfg.resolved_run_dir)
         trainer.stages = {name: task.fn for name, task in TASKS.items()}
-        for step in range(cfg.trainer.total_steps):
+        for row, seconds in turns(baton, cfg.trainer.total_steps, trainer.iteration):
+            run.rows.append(row)
+            run.step_s.append(seconds)
+            run.store_s.append(opened[0].seconds)
             opened[0].seconds = 0.0
-            rows.append(trainer.iteration(step))
-            stamps.append(time.perf_counter())
-            store_s.append(opened[0].seconds)
-            trainer.ctx.metrics.pop(step, None)
     finally:
         runtime.shutdown()
-    return rows, stamps, store_s
+    return run
 
 
 @contextmanager
@@ -382,7 +450,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
     return t
 
 
-def run_direct(cfg: Any) -> tuple[list[dict[str, float]], list[float], list[float]]:
+def run_direct(cfg: Any, baton: Baton) -> Run:
     """One ``PPOWorker`` with the flow's roles and spec, in this process."""
     from transformers import AutoTokenizer
 
@@ -402,11 +470,9 @@ def run_direct(cfg: Any) -> tuple[list[dict[str, float]], list[float], list[floa
         kl_controller=FixedKLController(coef=cfg.algorithm.kl.coef),
     )
     data = PromptDataset(Path(models.train_data), seed=cfg.seed)
-    rows, stamps = [], []
-    for step in range(cfg.trainer.total_steps):
-        rows.append(direct_iteration(worker, ctx, data, step))
-        stamps.append(time.perf_counter())
-    return rows, stamps, []
+    steps = turns(baton, cfg.trainer.total_steps, lambda k: direct_iteration(worker, ctx, data, k))
+    rows, seconds = zip(*steps)
+    return Run(list(rows), list(seconds))
 
 
 RUNNERS = {"flow": run_flow, "ray+store": run_staged, "direct": run_direct}
@@ -420,22 +486,18 @@ def child_main(args: argparse.Namespace) -> None:
     cfg = ppoflow_config(
         args.mode, Path(args.work), run_dir, total_steps=total, threads=args.threads
     )
-    rows, stamps, store_s = RUNNERS[args.child](cfg)
+    run = RUNNERS[args.child](cfg, Baton(args.baton, args.child))
     timed_steps = range(args.warmup, args.warmup + args.steps)
-    print(
-        json.dumps(
-            {
-                "ok": True,
-                "step_s": [stamps[k] - stamps[k - 1] for k in timed_steps],
-                "iteration_s": [rows[k]["timing_s/step"] for k in timed_steps],
-                "stages_s": {s: [rows[k][f"timing_s/{s}"] for k in timed_steps] for s in STAGES},
-                "store_s": [store_s[k] for k in timed_steps] if store_s else None,
-                "tokens": [rows[k]["perf/total_num_tokens"] for k in timed_steps],
-                "wall_s": time.perf_counter() - started,
-            }
-        ),
-        flush=True,
-    )
+    result = {
+        "ok": True,
+        "step_s": [run.step_s[k] for k in timed_steps],
+        "iteration_s": [run.rows[k]["timing_s/step"] for k in timed_steps],
+        "stages_s": {s: [run.rows[k][f"timing_s/{s}"] for k in timed_steps] for s in STAGES},
+        "store_s": [run.store_s[k] for k in timed_steps] if run.store_s else None,
+        "tokens": [run.rows[k]["perf/total_num_tokens"] for k in timed_steps],
+        "wall_s": time.perf_counter() - started,
+    }
+    print(json.dumps(result), flush=True)
 
 
 # ----------------------------------------------------------------- subprocesses and memory
@@ -517,37 +579,70 @@ def process_kind(pid: int, root: int) -> str:
     return "workers" if cmdline.startswith(b"ray::PPOWorker") else "other"
 
 
-def run_child(
-    cmd: list[str], *, env: dict[str, str], timeout_s: float, log: Path
-) -> dict[str, Any]:
-    """Run ``cmd``; its last JSON line on stdout plus peak memory and load, or the failure."""
-    load_before = os.getloadavg()
-    with log.open("w") as err:
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True
-        )
-        memory = TreeMemory(proc.pid)
-        memory.start()
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-            failure = None if proc.returncode == 0 else f"exited {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            out, failure = "", f"timed out after {timeout_s:.0f} s"
-        finally:
-            memory.stop()
-            end_processes(memory.seen)
-            proc.wait(timeout=30)
-    result = next(
-        (json.loads(line) for line in reversed(out.splitlines()) if line.startswith("{")),
-        None,
-    )
+@dataclass
+class Child:
+    """A running subprocess: stdout and stderr go to files, its process tree is sampled."""
+
+    proc: subprocess.Popen[bytes]
+    memory: TreeMemory
+    out: Path
+    err: Path
+    load_before: tuple[float, float, float]
+
+
+def start_child(cmd: list[str], *, env: dict[str, str], log: Path) -> Child:
+    out, err = log.with_suffix(".out"), log.with_suffix(".err")
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, start_new_session=True)
+    memory = TreeMemory(proc.pid)
+    memory.start()
+    return Child(proc, memory, out, err, os.getloadavg())
+
+
+def run_children(
+    cmds: dict[str, list[str]], *, env: dict[str, str], logs: Path, baton: Path | None = None
+) -> dict[str, dict[str, Any]]:
+    """Run the commands together (turns are taken through ``baton``); each one's last JSON
+    line on stdout plus its peak memory and load, or why it failed. One failure aborts the
+    others' turns; past the timeout every child still running is killed."""
+    if baton is not None:
+        baton.write_text(VARIANTS[0])
+    children = {name: start_child(cmd, env=env, log=logs / name) for name, cmd in cmds.items()}
+    timeout_s = CHILD_TIMEOUT_S if baton else PEER_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
+    failures: dict[str, str] = {}
+    while any(c.proc.poll() is None for c in children.values()):
+        for name, child in children.items():
+            if child.proc.poll() not in (None, 0):
+                failures.setdefault(name, f"exited {child.proc.returncode}")
+        if failures and baton is not None:
+            baton.write_text("abort")
+        if time.monotonic() > deadline:
+            for name, child in children.items():
+                if child.proc.poll() is None:
+                    failures[name] = f"timed out after {timeout_s} s"
+            break
+        time.sleep(0.2)
+    return {name: finish_child(child, failures.get(name)) for name, child in children.items()}
+
+
+def finish_child(child: Child, failure: str | None) -> dict[str, Any]:
+    child.memory.stop()
+    end_processes(child.memory.seen)
+    child.proc.wait(timeout=30)
+    if failure is None and child.proc.returncode != 0:
+        failure = f"exited {child.proc.returncode}"
+    lines = child.out.read_text(errors="replace").splitlines()
+    result = next((json.loads(x) for x in reversed(lines) if x.startswith('{"ok"')), None)
     if result is None:
-        tail = log.read_text(errors="replace")[-1500:]
-        result = {
-            "ok": False,
-            "reason": f"{failure or 'no JSON line on stdout'}; stderr ends: {tail}",
-        }
-    return {**result, "peak_rss_mb": memory.peak_mb(), "load_avg": [load_before, os.getloadavg()]}
+        tail = child.err.read_text(errors="replace")[-1500:]
+        reason = f"{failure or 'no JSON line on stdout'}; stderr ends: {tail}"
+        result = {"ok": False, "reason": reason}
+    return {
+        **result,
+        "peak_rss_mb": child.memory.peak_mb(),
+        "load_avg": [child.load_before, os.getloadavg()],
+    }
 
 
 def end_processes(seen: dict[int, str]) -> None:
@@ -568,14 +663,15 @@ def child_env(work: Path) -> dict[str, str]:
     return env
 
 
-def run_ppoflow(
-    mode: str, variant: str, args: argparse.Namespace, work: Path, tag: str
-) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, "--mode", mode]
-    cmd += ["--work", str(work), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    cmd += ["--threads", str(args.threads)]
-    log = work / f"ppoflow-{mode}-{variant.replace('+', '-')}-{tag}.log"
-    return run_child(cmd, env=child_env(work), timeout_s=CHILD_TIMEOUT_S, log=log)
+def run_ppoflow(mode: str, args: argparse.Namespace, work: Path, tag: str) -> dict[str, Any]:
+    """The three variants side by side, taking turns step by step."""
+    logs = work / f"ppoflow-{mode}-{tag}"
+    logs.mkdir()
+    script = [sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--work", str(work)]
+    script += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    script += ["--threads", str(args.threads), "--baton", str(logs / "turn")]
+    cmds = {v: [*script, "--child", v] for v in VARIANTS}
+    return run_children(cmds, env=child_env(work), logs=logs, baton=logs / "turn")
 
 
 # ------------------------------------------------------------------------------- the peers
@@ -621,9 +717,9 @@ def run_peer(
     cmd += ["--completions", str(WORK.completions), "--group-size", str(WORK.group_size)]
     cmd += ["--response-tokens", str(WORK.response_tokens), "--kl-coef", str(WORK.kl_coef)]
     cmd += ["--lam", str(WORK.lam)]
-    env = {**os.environ, **QUIET_ENV}
-    log = work / f"trl-{peer.mode}-{tag}.log"
-    return run_child(cmd, env=env, timeout_s=PEER_TIMEOUT_S, log=log)
+    logs = work / f"trl-{peer.mode}-{tag}"
+    logs.mkdir()
+    return run_children({"trl": cmd}, env={**os.environ, **QUIET_ENV}, logs=logs)["trl"]
 
 
 # ------------------------------------------------------------------------------ the report
@@ -669,23 +765,48 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def overhead(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Flow vs direct, and where the difference goes (ms per step)."""
-    flow, staged, direct = rows["flow"], rows["ray+store"], rows["direct"]
-    if not (flow["ok"] and staged["ok"] and direct["ok"]):
+def overhead(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Flow vs direct on paired steps (step k of each variant ran back to back): the median of
+    per-step ratios, and where the difference goes (medians of per-step differences, ms)."""
+    rounds = [
+        (f, s, d)
+        for f, s, d in zip(raw["flow"], raw["ray+store"], raw["direct"])
+        if f["ok"] and s["ok"] and d["ok"]
+    ]
+    if not rounds:
         return {"available": False}
-    base, store = direct["iteration_ms"], staged.get("store_ms", 0.0)
-    step_pct = 100 * (flow["step_ms"] / direct["step_ms"] - 1)
+
+    def median_over_pairs(fn: Any, scale: float = 1e3) -> float:
+        values = [fn(f, s, d, k) for f, s, d in rounds for k in range(len(d["step_s"]))]
+        return round(scale * statistics.median(values), 1)
+
+    step_pct = median_over_pairs(lambda f, s, d, k: f["step_s"][k] / d["step_s"][k] - 1, 100)
     return {
         "available": True,
-        "step_pct": round(step_pct, 1),
-        "iteration_pct": round(100 * (flow["iteration_ms"] / base - 1), 1),
-        "by_stage_ms": {s: round(flow["stages_ms"][s] - direct["stages_ms"][s], 1) for s in STAGES},
+        "step_pct": step_pct,
+        "iteration_pct": median_over_pairs(
+            lambda f, s, d, k: f["iteration_s"][k] / d["iteration_s"][k] - 1, 100
+        ),
+        "ray_store_vs_direct_pct": median_over_pairs(
+            lambda f, s, d, k: s["step_s"][k] / d["step_s"][k] - 1, 100
+        ),
+        "by_stage_ms": {
+            st: median_over_pairs(
+                lambda f, s, d, k, st=st: f["stages_s"][st][k] - d["stages_s"][st][k]
+            )
+            for st in STAGES
+        },
         "parts_ms": {
-            "store": store,
-            "ray_and_loop_bookkeeping": round(staged["iteration_ms"] - base - store, 1),
-            "prefect_tasks": round(flow["iteration_ms"] - staged["iteration_ms"], 1),
-            "per_step_reporting": round(flow["step_ms"] - flow["iteration_ms"], 1),
+            "store": median_over_pairs(lambda f, s, d, k: s["store_s"][k]),
+            "ray_and_loop_bookkeeping": median_over_pairs(
+                lambda f, s, d, k: s["iteration_s"][k] - d["iteration_s"][k] - s["store_s"][k]
+            ),
+            "prefect_tasks": median_over_pairs(
+                lambda f, s, d, k: f["iteration_s"][k] - s["iteration_s"][k]
+            ),
+            "per_step_reporting": median_over_pairs(
+                lambda f, s, d, k: f["step_s"][k] - f["iteration_s"][k]
+            ),
         },
         "target_pct": 100 * OVERHEAD_TARGET,
         "met": step_pct <= 100 * OVERHEAD_TARGET,
@@ -754,6 +875,7 @@ def main() -> None:
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["grpo", "ppo"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--baton", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be >= 1 (a step is timed from the previous step's end)")
@@ -769,28 +891,28 @@ def main() -> None:
 
 
 def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """ppoflow three ways and the TRL peer, ``--rounds`` times, the order reversed every round."""
+    """ppoflow's three variants (side by side) and the TRL peer, ``--rounds`` times, the peer
+    first in every second round."""
     peer = PEERS[mode]
     python, detail = (None, "skipped (--skip-peers)") if args.skip_peers else ensure_venv(peer)
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in (*VARIANTS, "trl")}
-    for round_index in range(args.rounds):
-        order = [*VARIANTS, "trl"][:: 1 if round_index % 2 == 0 else -1]
-        for name in order:
-            print(f"  {mode} round {round_index + 1}/{args.rounds}: {name} ...", flush=True)
-            tag = f"r{round_index}"
-            if name != "trl":
-                raw[name].append(run_ppoflow(mode, name, args, work, tag))
+    for index in range(args.rounds):
+        for system in ("ppoflow", "trl")[:: 1 if index % 2 == 0 else -1]:
+            print(f"  {mode} round {index + 1}/{args.rounds}: {system} ...", flush=True)
+            if system == "ppoflow":
+                for name, result in run_ppoflow(mode, args, work, f"r{index}").items():
+                    raw[name].append(result)
             elif python is None:
-                raw[name].append({"ok": False, "reason": detail})
+                raw["trl"].append({"ok": False, "reason": detail})
             else:
-                raw[name].append(run_peer(peer, python, args, work, tag))
+                raw["trl"].append(run_peer(peer, python, args, work, f"r{index}"))
     ours = {name: summarise(raw[name]) for name in VARIANTS}
     theirs = {**summarise(raw["trl"]), "detail": detail}
     return {
         "ppoflow": ours,
         "trl_name": f"trl {peer.requirement.split('==')[1]}",
         "trl": theirs,
-        "overhead": overhead(ours),
+        "overhead": overhead(raw),
         "vs_trl": compare(ours["flow"], theirs),
     }
 
@@ -807,7 +929,16 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     load_start = os.getloadavg()
     results = {mode: run_mode(mode, args, work) for mode in args.modes}
     return {
-        "work": {**asdict(WORK), **params},
+        "work": {**asdict(WORK), **params, "modes": MODES},
+        "targets": {
+            f"{mode}: {key}": block[part]["met"]
+            for mode, block in results.items()
+            for part, key in (
+                ("overhead", f"flow overhead <= {100 * OVERHEAD_TARGET:.0f}%"),
+                ("vs_trl", f"flow tokens/s >= {SPEEDUP_TARGET}x TRL"),
+            )
+            if part in block and "met" in block[part]
+        },
         "settings": {
             "steps": args.steps,
             "warmup": args.warmup,
@@ -826,6 +957,13 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
+MODES = {
+    "grpo": "4 prompts x 4 samples (groups of 4); ppoflow algorithm.estimator=grpo; TRL "
+    "GRPOTrainer with the reward model, beta 0 (no reference)",
+    "ppo": "16 prompts x 1 sample; ppoflow algorithm.estimator=gae with kl.in_reward (k1, 0.05, "
+    "reference model); TRL PPOTrainer (policy, reference, value model of the policy's size, "
+    "reward model)",
+}
 METHOD = (
     "each system runs in its own subprocess, --rounds times, the order reversed every round; "
     "a step is the time between the ends of consecutive steps (ppoflow flow: its metrics row "

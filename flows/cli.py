@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     plot.set_defaults(fn=_plot)
     deploy = sub.add_parser("deploy", help="register the deployments in prefect.yaml")
     deploy.add_argument("--prefect-yaml", default="prefect.yaml")
-    deploy.add_argument("--name", action="append", help="deployment name(s) to register (default: all)")
+    deploy.add_argument(
+        "--name", action="append", help="deployment name(s) to register (default: all)"
+    )
     deploy.set_defaults(fn=_deploy)
     serve = sub.add_parser("serve", help="serve the deployments (no work pool needed)")
     serve.add_argument("--name", action="append", help="deployment name(s) to serve (default: all)")

@@ -311,7 +311,11 @@ class Trainer:
         t0 = time.perf_counter()
         step = first
         per_run = cfg.trainer.steps_per_run
-        end = cfg.trainer.total_steps if per_run is None else min(cfg.trainer.total_steps, first + per_run)
+        end = (
+            cfg.trainer.total_steps
+            if per_run is None
+            else min(cfg.trainer.total_steps, first + per_run)
+        )
         try:
             for step in range(first, end):
                 # Held-out accuracy before the step's update every eval_every steps, and after the last.
@@ -328,11 +332,7 @@ class Trainer:
                     cfg.trainer.max_seconds is not None
                     and time.perf_counter() - t0 > cfg.trainer.max_seconds
                 )
-                if (
-                    (step + 1) % cfg.trainer.checkpoint_every == 0
-                    or step == end - 1
-                    or out_of_time
-                ):
+                if (step + 1) % cfg.trainer.checkpoint_every == 0 or step == end - 1 or out_of_time:
                     self.checkpoint(step)
                 if out_of_time:
                     break

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 REWARD_KEYS = ("critic/score/mean", "reward/rule/mean", "eval/rule_accuracy")
-KL_KEYS = ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")
+KL_KEYS = ("actor/kl_to_ref", "actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:

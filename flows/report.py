@@ -26,6 +26,7 @@ TABLE_COLUMNS = (
     "eval/rule_accuracy",
     "reward/rule/mean",
     "actor/pg_loss",
+    "actor/kl_to_ref",
     "actor/ppo_kl",
     "actor/entropy",
     "response_length/mean",
@@ -129,7 +130,7 @@ class RunReport:
         keys = (
             ("score", "critic/score/mean"),
             ("acc", "eval/rule_accuracy"),
-            ("kl", "actor/ppo_kl"),
+            ("kl", "actor/kl_to_ref"),
             ("s", "timing_s/step"),
         )
         info = " ".join(f"{short}={row[k]:.3f}" for short, k in keys if k in row)

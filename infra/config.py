@@ -115,6 +115,10 @@ class KLConfig(_Section):
     horizon: int = Field(10000, gt=0, description="Adaptive controller horizon.")
     loss_coef: float = Field(0.0, ge=0, description="KL-as-loss coefficient in the actor loss.")
     loss_kind: KLKind = Field("k3", description="KL estimator for the loss term.")
+    monitor: bool = Field(
+        True,
+        description="Compute the reference's log-probs to log actor/kl_to_ref (needs the ref model).",
+    )
 
 
 class AlgorithmConfig(_Section):
@@ -134,7 +138,7 @@ class AlgorithmConfig(_Section):
 
     @property
     def use_reference(self) -> bool:
-        return self.kl.in_reward or self.kl.loss_coef > 0
+        return self.kl.in_reward or self.kl.loss_coef > 0 or self.kl.monitor
 
 
 class OptimConfig(_Section):

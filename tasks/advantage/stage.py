@@ -17,7 +17,7 @@ from tasks.advantage.core import gae, grpo_advantage, reinforce_pp_advantage, rl
 from tasks.batching import unpad
 from tasks.context import StageContext
 from tasks.io import read, write
-from tasks.kl import apply_kl_penalty
+from tasks.kl import apply_kl_penalty, kl_penalty
 from tasks.masks import masked_mean
 from tasks.score.core import lengths_to_mask, place_scores
 
@@ -27,7 +27,7 @@ WRITES = ("response_mask", "token_rewards", "advantages", "returns")
 def reads(algo: AlgorithmConfig) -> tuple[str, ...]:
     return (
         ("response_ids", "scores", "group_ids", "old_logprobs")
-        + (("ref_logprobs",) if algo.kl.in_reward else ())
+        + (("ref_logprobs",) if algo.use_reference else ())
         + (("values",) if algo.use_critic else ())
     )
 
@@ -90,6 +90,16 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
         "response_mask": lengths_to_mask(lengths, width),  # (B, T)
     }
     d["token_rewards"] = place_scores(d["scores"], lengths, width)  # (B, T)
+    if algo.use_reference:
+        kl_ref = kl_penalty(
+            logprobs=data["old_logprobs"].padded(width=width).float(),
+            ref_logprobs=data["ref_logprobs"].padded(width=width).float(),
+            kind="k1",
+        )  # (B, T)
+        mask = d["response_mask"]
+        ctx.record(
+            step, {"actor/kl_to_ref": float(masked_mean(kl_ref, mask)) if mask.any() else 0.0}
+        )
     if algo.kl.in_reward:
         assert ctx.kl_controller is not None
         d["token_rewards"], kl_mean = apply_kl_penalty(
