@@ -98,6 +98,10 @@ def reward_model_flow(config: TrainConfig = TrainConfig()) -> ResolvedModels:  #
     """Warm-start the policy and train the reward model (skipping what is already done)."""
     cfg = config
     logger = get_run_logger()
+    # Tiny models gain nothing from intra-op threads, and on a busy machine extra threads thrash.
+    import torch
+
+    torch.set_num_threads(cfg.resources.threads_per_worker)
     # 1. Assets (tiny tokenizer, models, dataset) — idempotent.
     assets = build_assets(cfg)
     root = cfg.resolved_run_dir / "warmstart"

@@ -58,11 +58,11 @@ class WarmstartConfig(_Section):
     enabled: bool = Field(
         True, description="Run SFT + reward-model training when no checkpoints are given."
     )
-    sft_steps: int = Field(600, ge=0, description="SFT optimizer steps.")
-    sft_max_seconds: float | None = Field(75.0, gt=0, description="Wall-clock cap on SFT.")
-    rm_steps: int = Field(900, ge=0, description="Reward-model optimizer steps.")
+    sft_steps: int = Field(4000, ge=0, description="SFT optimizer steps.")
+    sft_max_seconds: float | None = Field(None, gt=0, description="Wall-clock cap on SFT.")
+    rm_steps: int = Field(1000, ge=0, description="Reward-model optimizer steps.")
     rm_max_seconds: float | None = Field(
-        150.0, gt=0, description="Wall-clock cap on reward-model training."
+        None, gt=0, description="Wall-clock cap on reward-model training."
     )
     min_rm_pair_accuracy: float = Field(
         0.0,
@@ -214,17 +214,13 @@ class OrchestrationConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    total_steps: int = Field(60, ge=1, description="RL iterations.")
+    total_steps: int = Field(25, ge=1, description="RL iterations.")
     max_seconds: float | None = Field(
         None, gt=0, description="Stop after this much RL time (checkpointed)."
     )
-    eval_every: int = Field(
-        10, ge=1, description="Rule accuracy on held-out prompts every N steps."
-    )
+    eval_every: int = Field(5, ge=1, description="Rule accuracy on held-out prompts every N steps.")
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation.")
-    checkpoint_every: int = Field(
-        10, ge=1, description="Checkpoint every N steps (and at the end)."
-    )
+    checkpoint_every: int = Field(5, ge=1, description="Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1)
     resume: Literal["auto", "never"] = Field(
         "auto", description="'auto' continues from the latest checkpoint in run_dir."

@@ -314,7 +314,7 @@ def response_nll(
 def _train_loop(
     *,
     model: PreTrainedModel,
-    loss_fn: Callable[[int], torch.Tensor],
+    loss_fn: Callable[[float], torch.Tensor],
     lr: float,
     warmup_fraction: float,
     min_lr_ratio: float,
@@ -331,7 +331,7 @@ def _train_loop(
         progress = _progress(step, steps, started, max_seconds)
         for group in optimizer.param_groups:
             group["lr"] = _cosine_lr(lr, progress, warmup=warmup_fraction, floor=min_lr_ratio)
-        loss = loss_fn(step)
+        loss = loss_fn(progress)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -362,7 +362,7 @@ def sft_warmstart(
     rng = random.Random(seed)
 
     # 2. Each step: a batch of prompts, each with a freshly drawn careless answer.
-    def loss_fn(step: int) -> torch.Tensor:
+    def loss_fn(progress: float) -> torch.Tensor:
         batch = rng.choices(rows, k=settings.batch_size)
         answers = [
             careless_answer(r, rng, correct_fraction=settings.correct_fraction) for r in batch
@@ -583,7 +583,7 @@ def train_reward_model(
     rng = random.Random(seed)
     train_wins: list[float] = []
 
-    def loss_fn(step: int) -> torch.Tensor:
+    def loss_fn(progress: float) -> torch.Tensor:
         batch = [
             _make_pair(row, prompts[row.uid], tokenizer, train_pool, settings, rng)
             for row in rng.choices(train_rows, k=settings.pairs_per_step)

@@ -63,7 +63,9 @@ def ray_local(session_tmp: Path) -> Iterator[object]:
     if ray.is_initialized():
         yield ray
         return
-    ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray socket paths are length-limited
+    ray_tmp = Path(
+        tempfile.mkdtemp(prefix="r", dir="/tmp")
+    )  # short: Ray socket paths are length-limited
     ray.init(
         address="local",
         num_cpus=4,
@@ -85,9 +87,11 @@ def prefect_harness(session_tmp: Path) -> Iterator[None]:
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            yield
+    with (
+        prefect_test_harness(server_startup_timeout=120),
+        temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
+    ):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -61,13 +61,15 @@ def addition_messages(count: int, *, seed: int = 0) -> list[list[dict[str, str]]
 
 
 class StepClock(TrainerCallback):
-    """``time.perf_counter()`` at every ``on_step_end``: step k took ``ends[k] - ends[k - 1]``."""
+    """Wall and process CPU time at every ``on_step_end``: step k took ``ends[k] - ends[k - 1]``."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
+        self.cpu: list[float] = []
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.ends.append(time.perf_counter())
+        self.cpu.append(time.process_time())
         return control
 
 
@@ -122,6 +124,7 @@ def report(
         "system": system,
         "step_s": step_s,
         "median_step_s": statistics.median(step_s),
+        "cpu_s_per_step": (clock.cpu[warmup + steps - 1] - clock.cpu[warmup - 1]) / steps,
         "tokens": [counter.calls[k]["tokens"] for k in timed],
         "rows": [counter.calls[k]["rows"] for k in timed],
         "prompt_width": sorted({c["prompt_width"] for c in counter.calls}),

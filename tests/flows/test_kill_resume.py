@@ -3,6 +3,7 @@ uninterrupted run with the same seed (CPU, real subprocesses, real Ray and Prefe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -45,23 +46,32 @@ def _kill_everything_under(tmp: Path) -> None:
         except OSError:
             continue
         if str(tmp).encode() in cmdline:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(int(proc.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / f"step-{STEPS - 1:06d}" / "workers" / "actor" / "model.safetensors")
+    return load_file(
+        run_dir
+        / "checkpoints"
+        / f"step-{STEPS - 1:06d}"
+        / "workers"
+        / "actor"
+        / "model.safetensors"
+    )
 
 
 @pytest.mark.slow
-def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(assets, tmp_path: Path) -> None:
+def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(
+    assets, tmp_path: Path
+) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kr", dir="/tmp"))
     try:
         # 1. The reference: an uninterrupted run.
         ref_dir = tmp_path / "uninterrupted"
-        subprocess.run(_command(assets, ref_dir), env=_env(tmp), check=True, timeout=600, capture_output=True)
+        subprocess.run(
+            _command(assets, ref_dir), env=_env(tmp), check=True, timeout=600, capture_output=True
+        )
         # 2. The same run, killed with SIGKILL once three steps are logged (step 3 is then in flight).
         run_dir = tmp_path / "killed"
         proc = subprocess.Popen(
@@ -80,9 +90,13 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(assets, 
         _kill_everything_under(tmp)
         assert not (run_dir / "checkpoints" / f"step-{STEPS - 1:06d}").exists()
         # 3. Resume (trainer.resume=auto is the default) and compare the final weights.
-        done = subprocess.run(_command(assets, run_dir), env=_env(tmp), timeout=600, capture_output=True, text=True)
+        done = subprocess.run(
+            _command(assets, run_dir), env=_env(tmp), timeout=600, capture_output=True, text=True
+        )
         assert done.returncode == 0, done.stderr[-3000:]
-        assert '"first_step": 2' in done.stdout or '"first_step": 4' in done.stdout, done.stdout[-2000:]
+        assert '"first_step": 2' in done.stdout or '"first_step": 4' in done.stdout, done.stdout[
+            -2000:
+        ]
         ref, got = _final_weights(ref_dir), _final_weights(run_dir)
         assert ref.keys() == got.keys()
         for key in ref:

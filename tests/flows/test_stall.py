@@ -10,7 +10,9 @@ from infra.config import load_config
 from storage import BatchMeta, open_store
 
 
-def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(prefect_harness) -> None:
+def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(
+    prefect_harness,
+) -> None:
     from prefect import flow
     from prefect.client.orchestration import get_client
 
@@ -37,7 +39,11 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(pre
     @flow(name="stall-probe")
     def probe() -> dict:
         # Wrapped in a dict so the probe flow itself completes and hands back the task's state.
-        return {"task": score.with_options(retries=1, retry_delay_seconds=0)(ctx, meta, 7, return_state=True)}
+        return {
+            "task": score.with_options(retries=1, retry_delay_seconds=0)(
+                ctx, meta, 7, return_state=True
+            )
+        }
 
     state = probe()["task"]
     assert state.is_failed()
@@ -52,4 +58,6 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(pre
     # Nothing stored before the stall was lost, and nothing was half-written.
     listing = store.kv_list(partition)
     assert set(listing) == set(keys)
-    assert all(set(fields) == {"prompt_ids", "raw_prompt", "ground_truth"} for fields in listing.values())
+    assert all(
+        set(fields) == {"prompt_ids", "raw_prompt", "ground_truth"} for fields in listing.values()
+    )

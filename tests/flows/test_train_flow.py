@@ -38,12 +38,20 @@ def _run(overrides: list[str], *extra: str):
     return cfg, state.result(), state.state_details.flow_run_id
 
 
-def test_tiny_sync_run_records_every_stage_of_every_step(prefect_harness, ray_local, tiny_overrides) -> None:
+def test_tiny_sync_run_records_every_stage_of_every_step(
+    prefect_harness, ray_local, tiny_overrides
+) -> None:
     cfg, summary, flow_run_id = _run(tiny_overrides)
     run_dir = Path(summary["run_dir"])
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("actor/pg_loss", "critic/score/mean", "response_length/mean", "perf/throughput", "timing_s/update"):
+    for key in (
+        "actor/pg_loss",
+        "critic/score/mean",
+        "response_length/mean",
+        "perf/throughput",
+        "timing_s/update",
+    ):
         assert all(key in r for r in rows), key
     assert "eval/rule_accuracy" in rows[0] and "eval/rule_accuracy" in rows[-1]
     assert summary["checkpoint"] and Path(summary["checkpoint"], "state.json").exists()
@@ -66,7 +74,9 @@ def test_tiny_sync_run_records_every_stage_of_every_step(prefect_harness, ray_lo
 )
 def test_modes_and_estimators_complete(prefect_harness, ray_local, tiny_overrides, extra) -> None:
     cfg, summary, _ = _run(tiny_overrides, *extra, "trainer.total_steps=3")
-    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == 3
     staleness = [r["rollout/staleness"] for r in rows]
     assert max(staleness) <= cfg.resources.max_staleness
@@ -76,10 +86,14 @@ def test_modes_and_estimators_complete(prefect_harness, ray_local, tiny_override
         assert all("critic/vf_loss" in r for r in rows)
 
 
-def test_resume_auto_continues_after_the_last_checkpoint(prefect_harness, ray_local, tiny_overrides) -> None:
+def test_resume_auto_continues_after_the_last_checkpoint(
+    prefect_harness, ray_local, tiny_overrides
+) -> None:
     _, first, _ = _run(tiny_overrides, "trainer.total_steps=4", "trainer.steps_per_run=2")
     assert (first["first_step"], first["last_step"]) == (0, 1)
     _, second, _ = _run(tiny_overrides, "trainer.total_steps=4", "trainer.steps_per_run=2")
     assert (second["first_step"], second["last_step"]) == (2, 3)
-    rows = [json.loads(x) for x in (Path(second["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (Path(second["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

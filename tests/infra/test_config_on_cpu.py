@@ -20,7 +20,10 @@ def test_every_shipped_config_validates() -> None:
 
 
 def test_overrides_are_parsed_as_yaml_scalars_and_nested() -> None:
-    cfg = load_config(CONFIGS / "tiny.yaml", ["trainer.total_steps=7", "algorithm.kl.coef=0.05", "resources.mode=colocate_async"])
+    cfg = load_config(
+        CONFIGS / "tiny.yaml",
+        ["trainer.total_steps=7", "algorithm.kl.coef=0.05", "resources.mode=colocate_async"],
+    )
     assert cfg.trainer.total_steps == 7
     assert cfg.algorithm.kl.coef == pytest.approx(0.05)
     assert cfg.resources.mode == "colocate_async"

@@ -28,7 +28,12 @@ def _spec(assets, roles, **kw) -> WorkerSpec:
 def _prompts(worker: PPOWorker, count: int) -> Jagged:
     tok = worker.tokenizer
     msgs = [[{"role": "user", "content": f"{10 + i}+{20 + i}="}] for i in range(count)]
-    ids = [torch.tensor(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)) for m in msgs]
+    ids = [
+        torch.tensor(
+            tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        for m in msgs
+    ]
     return Jagged.from_rows(ids)
 
 
@@ -43,7 +48,9 @@ def test_a_whole_iteration_takes_turns_and_leaves_everything_asleep(worker: PPOW
     assert len(responses) == 8 and version == 0
     assert worker.awake_roles() == []
     rep = lambda j: Jagged.from_rows([r for r in j.rows() for _ in range(4)])  # noqa: E731 - prompt per sample
-    scores, truncated = worker.score(rep(prompts), responses, [[{"role": "user", "content": "x"}]] * 8)
+    scores, truncated = worker.score(
+        rep(prompts), responses, [[{"role": "user", "content": "x"}]] * 8
+    )
     assert scores.shape == (8,) and not truncated.any()
     out = worker.forward(rep(prompts), responses)
     assert set(out) == {"old_logprobs", "ref_logprobs", "values"}
@@ -58,10 +65,19 @@ def test_update_changes_the_actor_and_syncs_the_rollout_engine(worker: PPOWorker
     responses, logprobs, _ = worker.generate(prompts, n=4, seed=2)
     rep = Jagged.from_rows([r for r in prompts.rows() for _ in range(4)])
     fwd = worker.forward(rep, responses)
-    adv = Jagged.from_rows([torch.full((len(r),), 1.0 if i % 2 else -1.0) for i, r in enumerate(responses.rows())])
+    adv = Jagged.from_rows(
+        [torch.full((len(r),), 1.0 if i % 2 else -1.0) for i, r in enumerate(responses.rows())]
+    )
     before = worker.parameters_digest()
     metrics = worker.update(
-        rep, responses, {"old_logprobs": fwd["old_logprobs"], "advantages": adv, "values": fwd["values"], "returns": adv}
+        rep,
+        responses,
+        {
+            "old_logprobs": fwd["old_logprobs"],
+            "advantages": adv,
+            "values": fwd["values"],
+            "returns": adv,
+        },
     )
     after = worker.parameters_digest()
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
@@ -83,9 +99,12 @@ def test_an_exception_inside_a_stage_leaves_the_reward_model_asleep(worker: PPOW
 
 
 def test_two_roles_are_never_awake_together(worker: PPOWorker) -> None:
-    with worker.group.awake("rollout"), pytest.raises(ColocationError, match="rollout"):
-        with worker.group.awake("reward"):
-            pass
+    with (
+        worker.group.awake("rollout"),
+        pytest.raises(ColocationError, match="rollout"),
+        worker.group.awake("reward"),
+    ):
+        pass
     assert worker.awake_roles() == []
 
 
@@ -107,7 +126,14 @@ def test_data_parallel_update_equals_one_worker(ray_local, assets) -> None:
         group = WorkerGroup(pool, _spec(assets, ("actor",)), call_timeout_s=120)
         try:
             shards = [
-                ((take(rep, sl), take(responses, sl), {k: take(v, sl) for k, v in fields.items()}), {})
+                (
+                    (
+                        take(rep, sl),
+                        take(responses, sl),
+                        {k: take(v, sl) for k, v in fields.items()},
+                    ),
+                    {},
+                )
                 for sl in split(len(rep), size)
             ]
             group.call_sharded("update", shards)
