@@ -9,8 +9,10 @@ resumed or re-scheduled run reuses them. A user with real checkpoints skips this
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -41,30 +43,39 @@ def build_assets(cfg: TrainConfig) -> dict[str, str]:
     return {k: str(v) for k, v in asdict(paths).items()}
 
 
-def _report(path: Path) -> dict[str, float] | None:
-    return json.loads(path.read_text()) if path.exists() else None
+def _train_once(out: Path, train: Callable[..., Any], **kwargs: Any) -> dict[str, float]:
+    """Run ``train(out_path=out, **kwargs)`` unless ``out/report.json`` says it already ran;
+    the report's numbers are kept there so a resumed or re-scheduled run reuses the model."""
+    path = out / "report.json"
+    if path.exists():
+        return dict(json.loads(path.read_text()))
+    report = train(out_path=out, **kwargs)
+    result = {k: float(v) for k, v in asdict(report).items() if isinstance(v, int | float)}
+    path.write_text(json.dumps(result))
+    return result
+
+
+def _data_paths(assets: dict[str, str]) -> dict[str, Path]:
+    return {
+        "tokenizer_path": Path(assets["tokenizer"]),
+        "train_path": Path(assets["train_data"]),
+        "heldout_path": Path(assets["heldout_data"]),
+    }
 
 
 @task(name="sft", cache_policy=NO_CACHE)
 def sft(cfg: TrainConfig, assets: dict[str, str], out: Path) -> dict[str, float]:
     from infra.pretrain import SFTSettings, sft_warmstart
 
-    done = _report(out / "report.json")
-    if done is not None:
-        return done
     settings = SFTSettings(steps=cfg.warmstart.sft_steps, max_seconds=cfg.warmstart.sft_max_seconds)
-    report = sft_warmstart(
+    return _train_once(
+        out,
+        sft_warmstart,
         policy_path=Path(assets["policy"]),
-        tokenizer_path=Path(assets["tokenizer"]),
-        train_path=Path(assets["train_data"]),
-        heldout_path=Path(assets["heldout_data"]),
-        out_path=out,
         settings=settings,
         seed=cfg.seed,
+        **_data_paths(assets),
     )
-    result = {k: float(v) for k, v in asdict(report).items() if isinstance(v, int | float)}
-    (out / "report.json").write_text(json.dumps(result))
-    return result
 
 
 @task(name="train-reward-model", cache_policy=NO_CACHE)
@@ -73,24 +84,17 @@ def reward_model(
 ) -> dict[str, float]:
     from infra.pretrain import RewardModelSettings, train_reward_model
 
-    done = _report(out / "report.json")
-    if done is not None:
-        return done
     settings = RewardModelSettings(
         steps=cfg.warmstart.rm_steps, max_seconds=cfg.warmstart.rm_max_seconds
     )
-    report = train_reward_model(
+    return _train_once(
+        out,
+        train_reward_model,
         init_path=sft_dir,
-        tokenizer_path=Path(assets["tokenizer"]),
-        train_path=Path(assets["train_data"]),
-        heldout_path=Path(assets["heldout_data"]),
-        out_path=out,
         settings=settings,
         seed=cfg.seed,
+        **_data_paths(assets),
     )
-    result = {k: float(v) for k, v in asdict(report).items() if isinstance(v, int | float)}
-    (out / "report.json").write_text(json.dumps(result))
-    return result
 
 
 @flow(name="reward-model", log_prints=True)
