@@ -28,11 +28,10 @@ from infra.transport import Jagged
 from storage import BatchMeta
 from tasks.advantage.stage import advantage
 from tasks.context import StageContext
-from tasks.generate.stage import _generate_one, generate, submit_prompts
+from tasks.generate.stage import _generate_one, generate, prompt_token_ids, submit_prompts
 from tasks.kl import AdaptiveKLController, FixedKLController
 from tasks.logprobs.stage import logprobs
-from tasks.rewards import exact_match, hash_answer_match
-from tasks.score.stage import score
+from tasks.score.stage import rule_scores, score
 from tasks.update.stage import update
 
 STAGES = {
@@ -42,7 +41,6 @@ STAGES = {
     "advantage": advantage,
     "update": update,
 }
-RULES = {"exact_match": exact_match, "hash_answer": hash_answer_match}
 
 
 def partition_id(step: int) -> str:
@@ -96,6 +94,9 @@ class Trainer:
         self.version = 0
         self.start_step = 0
         self.last_checkpoint: Path | None = None
+        self.producer_error: BaseException | None = (
+            None  # set by the separate_async producer thread
+        )
 
     # ------------------------------------------------------------------ resume / checkpoint
     def resume(self) -> int:
@@ -170,8 +171,6 @@ class Trainer:
                     )
                 self.submit_lock.wait(left)
             return self.submitted[step]
-
-    producer_error: BaseException | None = None
 
     def _produce(self, first: int, stop: threading.Event) -> None:
         """separate_async: keep the rollout pool generating up to max_staleness steps ahead."""
@@ -269,25 +268,15 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> float:
         """Greedy rule accuracy on held-out prompts (the honest metric beside the RM score)."""
-        tok = self.ctx.tokenizer
         prompts = Jagged.from_rows(
-            [
-                torch.tensor(
-                    tok.apply_chat_template(
-                        r.raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-                    )
-                )
-                for r in self.heldout
-            ]
+            [prompt_token_ids(self.ctx.tokenizer, r.raw_prompt) for r in self.heldout]
         )
         responses, _, _ = self.rt.rollout_group.call(
             "generate", prompts, n=1, seed=0, temperature=0.0
         )[0]
-        texts = tok.batch_decode([r.tolist() for r in responses.rows()], skip_special_tokens=True)
-        rule = RULES[self.cfg.reward.rule]
-        return sum(
-            rule(t, str(r.ground_truth)) for t, r in zip(texts, self.heldout, strict=True)
-        ) / len(texts)
+        return float(
+            rule_scores(self.ctx, responses, [r.ground_truth for r in self.heldout]).mean()
+        )
 
     # ------------------------------------------------------------------ the run
     def run(self, report_factory: Any = RunReport) -> dict[str, Any]:

@@ -99,7 +99,7 @@ class RewardConfig(_Section):
     rule_weight: float = Field(
         0.0, description="Weight of the rule reward (0 = logged only, the honest metric)."
     )
-    rule: Literal["exact_match", "hash_answer"] = Field(
+    rule: Literal["exact_match", "hash_answer_match"] = Field(
         "exact_match", description="Rule that checks a response against ground_truth."
     )
 

@@ -30,18 +30,18 @@ def sample_keys(uids: list[str], n: int) -> list[str]:
     return [f"{uid}/{i}" for uid in uids for i in range(n)]
 
 
+def prompt_token_ids(tokenizer: Any, raw_prompt: Any) -> torch.Tensor:
+    """The policy's chat template applied to ``raw_prompt`` with the generation prompt, as ids."""
+    ids = tokenizer.apply_chat_template(
+        raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return torch.tensor(ids, dtype=torch.int64)
+
+
 def submit_prompts(ctx: StageContext, *, partition_id: str, rows: list[Any]) -> BatchMeta:
     """Put the prompt fields of ``rows`` (PromptRow-like: uid, raw_prompt, ground_truth) for every sample key."""
     n = ctx.cfg.rollout.n
-    ids = [
-        torch.tensor(
-            ctx.tokenizer.apply_chat_template(
-                row.raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-            ),
-            dtype=torch.int64,
-        )
-        for row in rows
-    ]
+    ids = [prompt_token_ids(ctx.tokenizer, row.raw_prompt) for row in rows]
     keys = sample_keys([row.uid for row in rows], n)
     meta = BatchMeta(partition_id=partition_id, keys=tuple(keys), fields=())
     return write(

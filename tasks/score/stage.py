@@ -22,13 +22,11 @@ from infra.transport import Jagged
 from storage import BatchMeta
 from tasks.context import StageContext
 from tasks.io import read, write
-from tasks.rewards import exact_match, hash_answer_match
+from tasks.rewards import RULES
 from tasks.score.core import assemble_rm_scores, find_nonfinite, score_metrics
 
 READS = ("prompt_ids", "response_ids", "raw_prompt", "ground_truth")
 WRITES = ("scores", "rm_scores", "rule_scores")
-
-RULES = {"exact_match": exact_match, "hash_answer": hash_answer_match}
 
 
 class NonFiniteScoreError(ValueError):
