@@ -131,6 +131,16 @@ class AlgorithmConfig(_Section):
     )
     kl: KLConfig = Field(default_factory=KLConfig)
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus in the actor loss.")
+    old_logprobs: Literal["auto", "recompute"] = Field(
+        "auto",
+        description=(
+            "'recompute': a forward pass of the actor before the update gives old_logprobs. "
+            "'auto': skip it when the update is one on-policy optimizer step per batch (mode "
+            "sync, one PPO epoch, one mini-batch, no KL in the reward); the update then takes "
+            "the detached log-probs of its own forward pass as old_logprobs, which are the same "
+            "numbers (the weights have not changed yet)."
+        ),
+    )
 
     @property
     def use_critic(self) -> bool:
@@ -270,6 +280,17 @@ class TrainConfig(_Section):
     def batch_size(self) -> int:
         """Samples per iteration."""
         return self.rollout.prompts_per_step * self.rollout.n
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the logprobs stage computes ``old_logprobs`` (see ``algorithm.old_logprobs``)."""
+        one_step = self.actor.ppo_epochs == 1 and self.actor.mini_batch_size >= self.batch_size
+        on_policy = self.resources.mode == "sync" and one_step
+        return (
+            self.algorithm.old_logprobs == "recompute"
+            or self.algorithm.kl.in_reward
+            or not on_policy
+        )
 
     @property
     def resolved_run_dir(self) -> Path:

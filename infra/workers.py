@@ -276,15 +276,18 @@ class PPOWorker:
             outs.append(gather_response_values(values=logits[..., 0].float().cpu(), batch=mb))
         return torch.cat(outs)
 
-    def forward(self, prompts: Jagged, responses: Jagged) -> dict[str, Jagged]:
-        """``old_logprobs`` (actor), ``ref_logprobs`` (reference), ``values`` (critic) for the roles held."""
+    def forward(
+        self, prompts: Jagged, responses: Jagged, *, actor: bool = True
+    ) -> dict[str, Jagged]:
+        """``old_logprobs`` (actor, unless ``actor=False``), ``ref_logprobs`` (reference) and
+        ``values`` (critic) for the roles held."""
         from tasks.batching import unpad
 
         batch = self._packed(prompts, responses)
         lengths = batch.response_lengths
         out: dict[str, Jagged] = {}
         micro = max(self.spec.actor_optim.micro_batch_size, 1)
-        if "actor" in self.spec.roles:
+        if actor and "actor" in self.spec.roles:
             with self.group.awake("actor"):
                 out["old_logprobs"] = Jagged.from_rows(
                     unpad(self._logprobs(self.actor.module, batch, micro), lengths)
@@ -347,7 +350,7 @@ class PPOWorker:
                     optimizer=self.actor.optimizer,
                     scheduler=self.actor.scheduler,
                     batch=batch,
-                    old_logprobs=padded("old_logprobs"),
+                    old_logprobs=padded("old_logprobs") if "old_logprobs" in fields else None,
                     advantages=padded("advantages"),
                     ref_logprobs=padded("ref_logprobs") if "ref_logprobs" in fields else None,
                     cfg=acfg,

@@ -24,10 +24,12 @@ from tasks.score.core import lengths_to_mask, place_scores
 WRITES = ("response_mask", "token_rewards", "advantages", "returns")
 
 
-def reads(algo: AlgorithmConfig) -> tuple[str, ...]:
+def reads(algo: AlgorithmConfig, *, old_logprobs: bool = True) -> tuple[str, ...]:
+    """What the stage reads; without ``old_logprobs`` the update logs actor/kl_to_ref itself."""
+    with_kl = old_logprobs and algo.use_reference
     return (
-        ("response_ids", "scores", "group_ids", "old_logprobs")
-        + (("ref_logprobs",) if algo.use_reference else ())
+        ("response_ids", "scores", "group_ids")
+        + (("old_logprobs", "ref_logprobs") if with_kl else ())
         + (("values",) if algo.use_critic else ())
     )
 
@@ -90,7 +92,7 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
         "response_mask": lengths_to_mask(lengths, width),  # (B, T)
     }
     d["token_rewards"] = place_scores(d["scores"], lengths, width)  # (B, T)
-    if algo.use_reference:
+    if "ref_logprobs" in data:
         kl_ref = kl_penalty(
             logprobs=data["old_logprobs"].padded(width=width).float(),
             ref_logprobs=data["ref_logprobs"].padded(width=width).float(),
@@ -137,7 +139,7 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
 @task(name="advantage", cache_policy=NO_CACHE, task_run_name="advantage[step={step}]")
 def advantage(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     # 1. Read, 2. compute, 3. write back unpadded rows.
-    data = read(ctx, meta, reads(ctx.cfg.algorithm))
+    data = read(ctx, meta, reads(ctx.cfg.algorithm, old_logprobs=ctx.cfg.recompute_old_logprobs))
     d = compute(ctx, data, step)
     lengths = data["response_ids"].lengths
     return write(ctx, meta, {name: Jagged.from_rows(unpad(d[name], lengths)) for name in WRITES})

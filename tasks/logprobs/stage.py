@@ -2,7 +2,9 @@
 
 The training workers recompute the actor's log-probabilities of the sampled tokens (at the
 rollout temperature), the frozen reference's when a KL term is configured, and the critic's
-values when the estimator is GAE — each model woken in turn.
+values when the estimator is GAE — each model woken in turn. The actor's pass is skipped when
+the update is one on-policy optimizer step (``TrainConfig.recompute_old_logprobs``): the update
+then takes its own forward pass, made before any weight changes, as ``old_logprobs``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ READS = ("prompt_ids", "response_ids")
 def writes(ctx: StageContext) -> tuple[str, ...]:
     algo = ctx.cfg.algorithm
     return (
-        ("old_logprobs",)
+        (("old_logprobs",) if ctx.cfg.recompute_old_logprobs else ())
         + (("ref_logprobs",) if algo.use_reference else ())
         + (("values",) if algo.use_critic else ())
     )
@@ -33,10 +35,17 @@ def logprobs(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     data = read(ctx, meta, READS)
     prompts, responses = data["prompt_ids"], data["response_ids"]
     # 2. Forward passes on the training workers, sharded by sample.
+    names = writes(ctx)
+    if not names:  # one on-policy step without reference or critic: nothing to compute
+        return meta
     group = ctx.train_group
+    actor = {"actor": "old_logprobs" in names}
     outs = group.call_sharded(
         "forward",
-        [((take(prompts, sl), take(responses, sl)), {}) for sl in split(len(prompts), group.size)],
+        [
+            ((take(prompts, sl), take(responses, sl)), actor)
+            for sl in split(len(prompts), group.size)
+        ],
     )
     # 3. Write the fields this configuration produces.
-    return write(ctx, meta, {name: concat([o[name] for o in outs]) for name in writes(ctx)})
+    return write(ctx, meta, {name: concat([o[name] for o in outs]) for name in names})

@@ -300,9 +300,16 @@ def _actor_micro_step(
     logprobs = logprobs_from_response_logits(response_logits=mb_logits, batch=mb)  # (b, T)
     with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.entropy_coef != 0.0):
         entropy = entropy_from_logits(logits=mb_logits)  # (b, T)
+    token_means: dict[str, float] = {}
+    old_logprobs = mb_tensors.get("old_logprobs")
+    if old_logprobs is None:  # one on-policy step: the weights have not moved yet
+        old_logprobs = logprobs.detach()  # (b, T)
+        if "ref_logprobs" in mb_tensors:
+            delta = (old_logprobs - mb_tensors["ref_logprobs"])[mb.response_mask]
+            token_means["actor/kl_to_ref"] = float(delta.mean().nan_to_num())
     out = actor_loss(
         logprobs=logprobs,
-        old_logprobs=mb_tensors["old_logprobs"],
+        old_logprobs=old_logprobs,
         advantages=mb_tensors["advantages"],
         response_mask=mb.response_mask,
         entropy=entropy,
@@ -320,6 +327,7 @@ def _actor_micro_step(
     tally.add_tokens(
         float(mb.response_mask.sum()),
         **{"actor/pg_clipfrac": float(out.clipfrac), "actor/ppo_kl": float(out.approx_kl)},
+        **token_means,
     )
     return {
         "actor/pg_loss": float(out.pg_loss),
@@ -346,7 +354,7 @@ def actor_update(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: PackedBatch,
-    old_logprobs: Tensor,
+    old_logprobs: Tensor | None,
     advantages: Tensor,
     ref_logprobs: Tensor | None = None,
     cfg: ActorUpdateSettings,
@@ -357,12 +365,24 @@ def actor_update(
 ) -> dict[str, float]:
     """PPO epochs over `batch`; old_logprobs, advantages, ref_logprobs are (B, T).
 
+    `old_logprobs=None` is allowed for a single optimizer step (one epoch, one mini-batch): the
+    step's own forward pass, detached, is then the old policy (ratio 1, the same gradient as a
+    recomputed old_logprobs), and with `ref_logprobs` the metric actor/kl_to_ref (k1) is logged.
+
     1. Split rows into mini-batches (one optimizer step each) and fix each one's denominator.
     2. Per mini-batch: forward/backward every micro-batch with that denominator.
     3. Reduce gradients (grad_reducer), clip, step; the scheduler steps per optimizer step.
     Returns mean metrics over steps (losses, grad norm) or real tokens (clipfrac, ppo_kl).
     """
-    per_token = {"old_logprobs": old_logprobs, "advantages": advantages}
+    per_token = {"advantages": advantages}
+    if old_logprobs is not None:
+        per_token["old_logprobs"] = old_logprobs
+    elif cfg.ppo_epochs > 1 or cfg.mini_batch_size < batch.batch_size:
+        raise ValueError(
+            "old_logprobs=None needs a single optimizer step (ppo_epochs=1 and mini_batch_size ≥ "
+            f"the batch's {batch.batch_size} rows); got ppo_epochs={cfg.ppo_epochs}, "
+            f"mini_batch_size={cfg.mini_batch_size}: recompute old_logprobs"
+        )
     if ref_logprobs is not None:
         per_token["ref_logprobs"] = ref_logprobs
     _check_per_token(batch, per_token)

@@ -16,14 +16,18 @@ from storage import BatchMeta
 from tasks.context import StageContext
 from tasks.io import read
 
-BASE_READS = ("prompt_ids", "response_ids", "old_logprobs", "advantages")
+BASE_READS = ("prompt_ids", "response_ids", "advantages")
 
 
 def reads(ctx: StageContext) -> tuple[str, ...]:
-    algo = ctx.cfg.algorithm
+    """Without recomputed ``old_logprobs`` the update uses its own first forward pass instead,
+    and logs actor/kl_to_ref from it when a reference is held."""
+    algo, recompute = ctx.cfg.algorithm, ctx.cfg.recompute_old_logprobs
+    with_ref = algo.kl.loss_coef > 0 or (algo.use_reference and not recompute)
     return (
         BASE_READS
-        + (("ref_logprobs",) if algo.kl.loss_coef > 0 else ())
+        + (("old_logprobs",) if recompute else ())
+        + (("ref_logprobs",) if with_ref else ())
         + (("values", "returns") if algo.use_critic else ())
     )
 

@@ -67,3 +67,21 @@ def test_malformed_override_is_a_config_error() -> None:
 def test_batch_must_split_over_workers() -> None:
     with pytest.raises(ConfigError, match="num_workers"):
         load_config(None, ["rollout.prompts_per_step=3", "rollout.n=1", "resources.num_workers=2"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "recompute"),
+    [
+        ([], False),  # the default: sync, one epoch, one mini-batch of the whole batch
+        (["algorithm.old_logprobs=recompute"], True),
+        (["actor.ppo_epochs=2"], True),
+        (["actor.mini_batch_size=32", "actor.micro_batch_size=32"], True),
+        (["resources.mode=colocate_async"], True),
+        (["algorithm.kl.in_reward=true", "algorithm.kl.coef=0.1"], True),
+        (["algorithm.estimator=gae"], False),  # a critic does not change the actor's old policy
+    ],
+)
+def test_old_logprobs_are_recomputed_only_when_the_update_is_not_one_on_policy_step(
+    overrides: list[str], recompute: bool
+) -> None:
+    assert load_config(None, overrides).recompute_old_logprobs is recompute

@@ -48,7 +48,9 @@ def tiny_config(**extra: object) -> LlamaConfig:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        attn_implementation="eager",
+        # sdpa keeps float64 models in float64; eager attention takes its softmax in float32,
+        # whose rounding depends on the padded width and the CPU's vector units.
+        attn_implementation="sdpa",
         **extra,
     )
 
@@ -397,3 +399,53 @@ def test_actor_and_critic_update_on_cuda_with_a_cpu_batch() -> None:
         cfg=CriticUpdateSettings(),
     )
     assert torch.isfinite(torch.tensor(metrics["critic/vf_loss"]))
+
+
+def test_one_step_without_old_logprobs_equals_recomputed_old_logprobs() -> None:
+    """old_logprobs=None uses the step's own detached forward pass: for one optimizer step this
+    is the same old policy a recompute gives, so the parameters match (float64), and the k1
+    KL to the reference is logged from the same numbers. One micro-batch of the whole batch:
+    a forward of rows trimmed to a narrower width differs in the last float64 bits."""
+    cfg = actor_settings("token-mean", micro=8, ppo_epochs=1, kl_loss_coef=0.0)
+    batch = make_batch(3)
+    inputs = actor_inputs(tiny_policy(seed=3), batch, seed=3)
+    with torch.no_grad():
+        model = tiny_policy(seed=3)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
+        recomputed = gather_response_logprobs(logits=logits, batch=batch, temperature=0.9)
+    results = []
+    for old in (recomputed, None):
+        model = tiny_policy(seed=3)
+        metrics = actor_update(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            batch=batch,
+            old_logprobs=old,
+            advantages=inputs["advantages"],
+            ref_logprobs=inputs["ref_logprobs"],
+            cfg=cfg,
+        )
+        results.append((model, metrics))
+    assert_same_parameters(results[0][0], results[1][0], atol=1e-12)
+    assert results[1][1]["actor/pg_clipfrac"] == 0.0  # ratio exactly 1
+    mask = batch.response_mask
+    expected = float((recomputed - inputs["ref_logprobs"])[mask].mean())
+    assert results[1][1]["actor/kl_to_ref"] == pytest.approx(expected, abs=1e-9)
+    assert "actor/kl_to_ref" not in results[0][1]
+
+
+@pytest.mark.parametrize("extra", [{"ppo_epochs": 2}, {"mini_batch_size": 4}])
+def test_old_logprobs_none_refused_for_more_than_one_step(extra: dict[str, int]) -> None:
+    cfg = actor_settings("token-mean", micro=4, **{"ppo_epochs": 1, **extra})
+    batch = make_batch(4)
+    model = tiny_policy(seed=4)
+    inputs = actor_inputs(model, batch, seed=4)
+    with pytest.raises(ValueError, match="recompute old_logprobs"):
+        actor_update(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            batch=batch,
+            old_logprobs=None,
+            advantages=inputs["advantages"],
+            cfg=cfg,
+        )
