@@ -79,6 +79,7 @@ QUIET_ENV = {
     "WANDB_MODE": "disabled",
     "TOKENIZERS_PARALLELISM": "false",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "DO_NOT_TRACK": "1",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -205,7 +206,7 @@ def ppoflow_config(mode: str, work: Path, run_dir: Path, *, total_steps: int, th
     from infra.config import load_config
 
     prompts, n = (WORK.completions // WORK.group_size, WORK.group_size)
-    algorithm = ["algorithm.estimator=grpo"]
+    algorithm = ["algorithm.estimator=grpo", "algorithm.kl.monitor=false"]  # TRL: no reference
     if mode == "ppo":
         prompts, n = WORK.completions, 1
         algorithm = [
@@ -422,6 +423,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
     from tasks.advantage.stage import compute
     from tasks.batching import unpad
     from tasks.generate.stage import generation_seed
+    from tasks.logprobs.stage import writes
     from tasks.score.stage import rule_scores
     from tasks.update.stage import reads
 
@@ -447,7 +449,9 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
         rule = rule_scores(ctx, responses, [r.ground_truth for r in rows for _ in range(n)])
         scores = cfg.reward.model_weight * torch.from_numpy(rm) + cfg.reward.rule_weight * rule
     with timed(t, "logprobs"):
-        fields = worker.forward(prompts, responses)
+        needed = writes(ctx)  # nothing for one on-policy step without reference or critic
+        actor = "old_logprobs" in needed
+        fields = worker.forward(prompts, responses, actor=actor) if needed else {}
     with timed(t, "advantage"):
         group_ids = torch.arange(len(rows)).repeat_interleave(n)  # (B,)
         d = compute(

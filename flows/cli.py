@@ -23,6 +23,9 @@ def _quiet_defaults() -> None:
         "RAY_USAGE_STATS_ENABLED": "0",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
+        # The temporary server needs ~20 s to start on a busy 2-core machine (Prefect's default
+        # allows 20 s, then the run fails before its first task).
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }.items():
         os.environ.setdefault(key, value)
 

@@ -31,6 +31,7 @@ from tasks.context import StageContext
 from tasks.generate.stage import _generate_one, generate, prompt_token_ids, submit_prompts
 from tasks.kl import AdaptiveKLController, FixedKLController
 from tasks.logprobs.stage import logprobs
+from tasks.logprobs.stage import writes as logprob_writes
 from tasks.score.stage import rule_scores, score
 from tasks.update.stage import update
 
@@ -224,7 +225,8 @@ class Trainer:
         self._check_staleness(meta, step)
         # 2.-5. score → logprobs/values → advantage → update.
         meta = run("score", meta)
-        meta = run("logprobs", meta)
+        if logprob_writes(self.ctx):  # nothing to compute: one on-policy step, no ref or critic
+            meta = run("logprobs", meta)
         meta = run("advantage", meta)
         run("update", meta)
         with self.submit_lock:
@@ -288,6 +290,7 @@ class Trainer:
             cfg.trainer.total_steps,
             start_step=first,
             progress_bar=cfg.trainer.progress_bar,
+            artifact_interval_s=cfg.trainer.artifact_interval_s,
         )
         report.start(first)
         stop = threading.Event()

@@ -7,6 +7,7 @@ import json
 import math
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -51,6 +52,7 @@ class RunReport:
         *,
         start_step: int,
         progress_bar: bool = True,
+        artifact_interval_s: float = 0.0,
     ) -> None:
         self.run_dir = run_dir
         self.bar: Any = None
@@ -61,6 +63,9 @@ class RunReport:
         self.path = run_dir / "metrics.jsonl"
         self.rows = self._load(start_step)
         self.progress_id: UUID | None = None
+        self.artifact_interval_s = artifact_interval_s
+        self._published_at = -math.inf
+        self._unpublished: int | None = None  # the last step not yet in the artifacts
 
     def _load(self, start_step: int) -> list[dict[str, Any]]:
         """Rows of steps before ``start_step`` (later ones belong to an interrupted attempt)."""
@@ -102,6 +107,26 @@ class RunReport:
         self.rows.append(row)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
+        self._unpublished = step
+        due = time.monotonic() - self._published_at >= self.artifact_interval_s
+        if due or step + 1 >= self.total:
+            self._publish()
+        self._show(step, row)
+        emit_event(
+            event=ITERATION_EVENT,
+            resource={
+                "prefect.resource.id": f"ppoflow.run.{self.name}",
+                "prefect.resource.name": self.name,
+            },
+            payload={"step": step, "metrics": row},
+        )
+
+    def _publish(self) -> None:
+        """Bring the metrics table and the progress artifact up to the last logged step."""
+        if self._unpublished is None:
+            return
+        step, self._unpublished = self._unpublished, None
+        self._published_at = time.monotonic()
         table = [
             {
                 c: (round(r[c], 5) if isinstance(r.get(c), float) else r.get(c))
@@ -116,15 +141,6 @@ class RunReport:
         )
         if self.progress_id is not None:
             update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
-        self._show(step, row)
-        emit_event(
-            event=ITERATION_EVENT,
-            resource={
-                "prefect.resource.id": f"ppoflow.run.{self.name}",
-                "prefect.resource.name": self.name,
-            },
-            payload={"step": step, "metrics": row},
-        )
 
     def _show(self, step: int, row: dict[str, Any]) -> None:
         keys = (
@@ -140,6 +156,7 @@ class RunReport:
             print(f"[{self.name}] step {step + 1}/{self.total} {info}", flush=True)
 
     def close(self) -> None:
+        self._publish()
         if self.bar is not None:
             self.bar.stop()
             self.bar = None

@@ -35,6 +35,7 @@ from transformers import (
 )
 
 from infra.engines.base import ModuleResidency
+from infra.kernels import fuse_activations
 from tasks.score import lengths_to_mask
 
 __all__ = ["RewardScorer", "ScoreOutput", "tokenizers_match"]
@@ -74,6 +75,7 @@ class RewardScorer:
                 f"reward model at {model_path} has num_labels={model.config.num_labels}; "
                 "a reward model must output one score (num_labels=1)"
             )
+        fuse_activations(model)
         self.model: PreTrainedModel = model.to(self._device).eval()
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_path)
         self.policy_tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from infra.colocate import ColocatedGroup
 from infra.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from infra.kernels import fuse_activations
 from infra.transport import Jagged
 
 ROLES = ("rollout", "reward", "actor", "ref", "critic")
@@ -161,6 +162,7 @@ class PPOWorker:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.spec.policy_path, dtype=self.dtype)
+        fuse_activations(model)
         self.actor = self._make_trainable(model, self.spec.actor_optim)
         self.group.register("actor", self.actor)
 
@@ -170,6 +172,7 @@ class PPOWorker:
         from infra.colocate import TrainableModel
 
         model = AutoModelForCausalLM.from_pretrained(self.spec.policy_path, dtype=self.dtype)
+        fuse_activations(model)
         model.requires_grad_(False).eval()
         self.ref = TrainableModel(model, None, device=self.spec.device)
         self.group.register("ref", self.ref)
@@ -181,6 +184,7 @@ class PPOWorker:
         model = AutoModelForTokenClassification.from_pretrained(
             path, num_labels=1, dtype=self.dtype
         )
+        fuse_activations(model)
         self.critic = self._make_trainable(model, self.spec.critic_optim)
         self.group.register("critic", self.critic)
 

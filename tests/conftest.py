@@ -19,6 +19,7 @@ _SESSION_TMP = Path(tempfile.mkdtemp(prefix="ppoflow-tests-"))
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect-home"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

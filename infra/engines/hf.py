@@ -27,6 +27,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from infra.engines.base import GenerationOutput, ModuleResidency, check_generate_args
+from infra.kernels import fuse_activations
 
 __all__ = ["TransformersEngine", "sample_next_tokens"]
 
@@ -51,6 +52,7 @@ class TransformersEngine:
         self._device = torch.device(device)
         if isinstance(model, (str, Path)):
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+        fuse_activations(model)
         torch.nn.Module.to(model, self._device)  # (transformers' wrapped .to confuses mypy)
         self.model: PreTrainedModel = model.eval()
         self.eos_token_ids: tuple[int, ...] = _resolve_eos(self.model, eos_token_id)

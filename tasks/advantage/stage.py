@@ -92,7 +92,7 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
         "response_mask": lengths_to_mask(lengths, width),  # (B, T)
     }
     d["token_rewards"] = place_scores(d["scores"], lengths, width)  # (B, T)
-    if "ref_logprobs" in data:
+    if "old_logprobs" in data and "ref_logprobs" in data:  # else the update logs the KL
         kl_ref = kl_penalty(
             logprobs=data["old_logprobs"].padded(width=width).float(),
             ref_logprobs=data["ref_logprobs"].padded(width=width).float(),

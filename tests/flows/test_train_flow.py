@@ -51,6 +51,7 @@ def test_tiny_sync_run_records_every_stage_of_every_step(
         "response_length/mean",
         "perf/throughput",
         "timing_s/update",
+        "actor/kl_to_ref",  # one on-policy step: logged by the update from its own forward pass
     ):
         assert all(key in r for r in rows), key
     assert "eval/rule_accuracy" in rows[0] and "eval/rule_accuracy" in rows[-1]
@@ -97,3 +98,24 @@ def test_resume_auto_continues_after_the_last_checkpoint(
         json.loads(x) for x in (Path(second["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+
+
+def test_one_on_policy_step_without_reference_skips_the_logprobs_task(
+    prefect_harness, ray_local, tiny_overrides, tmp_path
+) -> None:
+    """GRPO, sync, one optimizer step, no reference: nothing for logprobs to compute, so the
+    step runs four tasks; with old_logprobs=recompute the task is back."""
+    _, summary, flow_run_id = _run(
+        tiny_overrides, "algorithm.kl.monitor=false", "trainer.total_steps=2"
+    )
+    names = set(_task_run_names(flow_run_id))
+    assert {"generate[step=1]", "score[step=1]", "advantage[step=1]", "update[step=1]"} <= names
+    assert not any(n.startswith("logprobs[") for n in names), sorted(names)
+    _, _, flow_run_id = _run(
+        tiny_overrides,
+        "algorithm.kl.monitor=false",
+        "algorithm.old_logprobs=recompute",
+        "trainer.total_steps=1",
+        f"run_dir={tmp_path / 'recompute'}",
+    )
+    assert "logprobs[step=0]" in set(_task_run_names(flow_run_id))
