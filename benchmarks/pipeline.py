@@ -202,7 +202,9 @@ def build_work(out: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- ppoflow config
-def ppoflow_config(mode: str, work: Path, run_dir: Path, *, total_steps: int, threads: int) -> Any:
+def ppoflow_config(
+    mode: str, work: Path, run_dir: Path, *, total_steps: int, threads: int, extra: Sequence[str] = ()
+) -> Any:
     from infra.config import load_config
 
     prompts, n = (WORK.completions // WORK.group_size, WORK.group_size)
@@ -243,6 +245,7 @@ def ppoflow_config(mode: str, work: Path, run_dir: Path, *, total_steps: int, th
             "trainer.checkpoint_every=1000000",
             "trainer.resume=never",
             "trainer.progress_bar=false",
+            *extra,
         ],
     )
 
@@ -515,7 +518,9 @@ def child_main(args: argparse.Namespace) -> None:
         "ok": True,
         "step_s": [run.step_s[k] for k in timed_steps],
         "iteration_s": [run.rows[k]["timing_s/step"] for k in timed_steps],
-        "stages_s": {s: [run.rows[k][f"timing_s/{s}"] for k in timed_steps] for s in STAGES},
+        "stages_s": {
+            s: [run.rows[k].get(f"timing_s/{s}", 0.0) for k in timed_steps] for s in STAGES
+        },
         "store_s": [run.store_s[k] for k in timed_steps] if run.store_s else None,
         "tokens": [run.rows[k]["perf/total_num_tokens"] for k in timed_steps],
         **baton.cpu_per_step(),

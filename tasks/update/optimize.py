@@ -18,6 +18,7 @@ is left as the caller set it (turn dropout off for PPO, e.g. `model.eval()`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -349,6 +350,61 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+MicroStep = Callable[..., dict[str, float]]  # (mb=, mb_tensors=, loss_denominator=) -> loss parts
+
+
+def _epochs(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: PackedBatch,
+    per_token: dict[str, Tensor],
+    cfg: ActorUpdateSettings | CriticUpdateSettings,
+    micro_step: MicroStep,
+    tally: _Tally,
+    grad_norm_key: str,
+    scheduler: Scheduler | None,
+    grad_reducer: GradReducer | None,
+    override: float | Sequence[float] | None,
+) -> None:
+    """The loop both updates share: per epoch, per mini-batch (one optimizer step), per
+    micro-batch `micro_step(mb=, mb_tensors=, loss_denominator=)` (forward + backward, returns
+    its loss parts); then reduce, clip and step."""
+    device = _model_device(model)
+    for epoch in range(cfg.ppo_epochs):
+        # 1. Mini-batches and each one's loss denominator.
+        minibatches = _minibatch_rows(
+            batch_size=batch.batch_size,
+            mini_batch_size=cfg.mini_batch_size,
+            epoch=epoch,
+            shuffle_seed=cfg.shuffle_seed,
+        )
+        denominators = _denominators(
+            override=override,
+            response_mask=batch.response_mask,
+            minibatches=minibatches,
+            agg=cfg.agg,
+            shuffled=cfg.shuffle_seed is not None,
+        )
+        for mini_rows, denominator in zip(minibatches, denominators):
+            # 2. Forward/backward every micro-batch with the mini-batch's denominator.
+            for micro_rows in torch.split(mini_rows, cfg.micro_batch_size):
+                mb, mb_tensors = _micro_batch(batch, per_token, micro_rows, device)
+                tally.add_step(
+                    **micro_step(mb=mb, mb_tensors=mb_tensors, loss_denominator=denominator)
+                )
+            # 3. Reduce, clip, step.
+            grad_norm = _optimizer_step(
+                model=model,
+                optimizer=optimizer,
+                max_grad_norm=cfg.max_grad_norm,
+                grad_reducer=grad_reducer,
+                scheduler=scheduler,
+                tally=tally,
+            )
+            tally.add_step(**{grad_norm_key: grad_norm})
+
+
 def actor_update(
     *,
     model: nn.Module,
@@ -386,47 +442,21 @@ def actor_update(
     if ref_logprobs is not None:
         per_token["ref_logprobs"] = ref_logprobs
     _check_per_token(batch, per_token)
-    override = global_tokens if cfg.agg == "token-mean" else global_seqs
-    device = _model_device(model)
+
     tally = _Tally()
-    for epoch in range(cfg.ppo_epochs):
-        # 1.
-        minibatches = _minibatch_rows(
-            batch_size=batch.batch_size,
-            mini_batch_size=cfg.mini_batch_size,
-            epoch=epoch,
-            shuffle_seed=cfg.shuffle_seed,
-        )
-        denominators = _denominators(
-            override=override,
-            response_mask=batch.response_mask,
-            minibatches=minibatches,
-            agg=cfg.agg,
-            shuffled=cfg.shuffle_seed is not None,
-        )
-        for mini_rows, denominator in zip(minibatches, denominators):
-            # 2.
-            for micro_rows in torch.split(mini_rows, cfg.micro_batch_size):
-                mb, mb_tensors = _micro_batch(batch, per_token, micro_rows, device)
-                parts = _actor_micro_step(
-                    model=model,
-                    mb=mb,
-                    mb_tensors=mb_tensors,
-                    cfg=cfg,
-                    loss_denominator=denominator,
-                    tally=tally,
-                )
-                tally.add_step(**parts)
-            # 3.
-            grad_norm = _optimizer_step(
-                model=model,
-                optimizer=optimizer,
-                max_grad_norm=cfg.max_grad_norm,
-                grad_reducer=grad_reducer,
-                scheduler=scheduler,
-                tally=tally,
-            )
-            tally.add_step(**{"actor/grad_norm": grad_norm})
+    _epochs(
+        model=model,
+        optimizer=optimizer,
+        batch=batch,
+        per_token=per_token,
+        cfg=cfg,
+        micro_step=functools.partial(_actor_micro_step, model=model, cfg=cfg, tally=tally),
+        tally=tally,
+        grad_norm_key="actor/grad_norm",
+        scheduler=scheduler,
+        grad_reducer=grad_reducer,
+        override=global_tokens if cfg.agg == "token-mean" else global_seqs,
+    )
     metrics = tally.metrics()
     metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["actor/skipped_steps"] = float(tally.skipped_steps)
@@ -493,44 +523,21 @@ def critic_update(
     """
     per_token = {"old_values": old_values, "returns": returns}
     _check_per_token(batch, per_token)
-    override = global_tokens if cfg.agg == "token-mean" else global_seqs
-    device = _model_device(model)
+
     tally = _Tally()
-    for epoch in range(cfg.ppo_epochs):
-        minibatches = _minibatch_rows(
-            batch_size=batch.batch_size,
-            mini_batch_size=cfg.mini_batch_size,
-            epoch=epoch,
-            shuffle_seed=cfg.shuffle_seed,
-        )
-        denominators = _denominators(
-            override=override,
-            response_mask=batch.response_mask,
-            minibatches=minibatches,
-            agg=cfg.agg,
-            shuffled=cfg.shuffle_seed is not None,
-        )
-        for mini_rows, denominator in zip(minibatches, denominators):
-            for micro_rows in torch.split(mini_rows, cfg.micro_batch_size):
-                mb, mb_tensors = _micro_batch(batch, per_token, micro_rows, device)
-                parts = _critic_micro_step(
-                    model=model,
-                    mb=mb,
-                    mb_tensors=mb_tensors,
-                    cfg=cfg,
-                    loss_denominator=denominator,
-                    tally=tally,
-                )
-                tally.add_step(**parts)
-            grad_norm = _optimizer_step(
-                model=model,
-                optimizer=optimizer,
-                max_grad_norm=cfg.max_grad_norm,
-                grad_reducer=grad_reducer,
-                scheduler=scheduler,
-                tally=tally,
-            )
-            tally.add_step(**{"critic/grad_norm": grad_norm})
+    _epochs(
+        model=model,
+        optimizer=optimizer,
+        batch=batch,
+        per_token=per_token,
+        cfg=cfg,
+        micro_step=functools.partial(_critic_micro_step, model=model, cfg=cfg, tally=tally),
+        tally=tally,
+        grad_norm_key="critic/grad_norm",
+        scheduler=scheduler,
+        grad_reducer=grad_reducer,
+        override=global_tokens if cfg.agg == "token-mean" else global_seqs,
+    )
     metrics = tally.metrics()
     metrics["critic/lr"] = float(optimizer.param_groups[0]["lr"])
     return metrics
