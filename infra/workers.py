@@ -245,9 +245,8 @@ class PPOWorker:
         )
 
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, batch: Any, micro: int) -> Tensor:
-        from tasks.batching import gather_response_logprobs
-
+    def _micro_forward(self, model: torch.nn.Module, batch: Any, micro: int, gather: Any) -> Tensor:
+        """``gather(logits, micro_batch)`` over micro-batches of ``batch``, concatenated."""
         outs = []
         for start in range(0, batch.input_ids.shape[0], micro):
             mb = batch.slice(start, start + micro)
@@ -255,30 +254,30 @@ class PPOWorker:
                 input_ids=mb.input_ids.to(self.device),
                 attention_mask=mb.attention_mask.long().to(self.device),
             ).logits
-            outs.append(
-                gather_response_logprobs(
-                    logits=logits.float().cpu(), batch=mb, temperature=self._temperature
-                )
-            )
+            outs.append(gather(logits, mb))
         return torch.cat(outs)
+
+    def _logprobs(self, model: torch.nn.Module, batch: Any, micro: int) -> Tensor:
+        from tasks.batching import gather_response_logprobs
+
+        def gather(logits: Tensor, mb: Any) -> Tensor:
+            return gather_response_logprobs(
+                logits=logits.float().cpu(), batch=mb, temperature=self._temperature
+            )
+
+        return self._micro_forward(model, batch, micro, gather)
 
     @property
     def _temperature(self) -> float:
         return self.spec.rollout.temperature or 1.0
 
-    @torch.no_grad()
     def _values(self, batch: Any, micro: int) -> Tensor:
         from tasks.batching import gather_response_values
 
-        outs = []
-        for start in range(0, batch.input_ids.shape[0], micro):
-            mb = batch.slice(start, start + micro)
-            logits = self.critic.module(
-                input_ids=mb.input_ids.to(self.device),
-                attention_mask=mb.attention_mask.long().to(self.device),
-            ).logits
-            outs.append(gather_response_values(values=logits[..., 0].float().cpu(), batch=mb))
-        return torch.cat(outs)
+        def gather(logits: Tensor, mb: Any) -> Tensor:
+            return gather_response_values(values=logits[..., 0].float().cpu(), batch=mb)
+
+        return self._micro_forward(self.critic.module, batch, micro, gather)
 
     def forward(
         self, prompts: Jagged, responses: Jagged, *, actor: bool = True
