@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -203,7 +203,13 @@ def build_work(out: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- ppoflow config
 def ppoflow_config(
-    mode: str, work: Path, run_dir: Path, *, total_steps: int, threads: int, extra: Sequence[str] = ()
+    mode: str,
+    work: Path,
+    run_dir: Path,
+    *,
+    total_steps: int,
+    threads: int,
+    extra: Sequence[str] = (),
 ) -> Any:
     from infra.config import load_config
 

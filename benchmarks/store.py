@@ -12,7 +12,10 @@ Systems, all in one run (medians of repeats, each repeat a fresh partition):
 
 - memcpy bound: `torch.cat` of the same rows, both fields (what any copy costs);
 - embedded: `memory://` put and get;
-- ray 2 shards / ray 1 shard: `ray://`, driven from a separate process (a Ray actor client);
+- ray 2 shards / ray 1 shard: `ray://`, driven from a separate process (a Ray actor client) on
+  the shards' node, so data goes through shared memory (`transport=auto`);
+- ray 1 shard, object store: the same with `transport=object_store`, the path clients on other
+  nodes take (Ray actor calls, data through Ray's object store);
 - raw ray: one packed numpy buffer (both fields' values and offsets) through the object store:
   `ray.put` in the client, and `ray.get` in the client of a buffer another process put
   (a zero-copy view: the floor for any Ray transfer);
@@ -187,9 +190,13 @@ def bench_ray_side(repeats: int) -> dict[str, Timings]:
         holder = ray.remote(num_cpus=0)(_Holder).remote()
         client = ray.remote(num_cpus=0)(_Client).remote(str(ROOT))
         out = {}
-        for shards in (2, 1):
-            store = open_store(f"ray://bench-{shards}?shards={shards}&timeout=120")
-            name = f"ray {shards} shard" + ("s" if shards > 1 else "")
+        for shards, transport, name in (
+            (2, "auto", "ray 2 shards"),
+            (1, "auto", "ray 1 shard"),
+            (1, "object_store", "ray 1 shard, object store"),
+        ):
+            url = f"ray://bench-{shards}-{transport}?shards={shards}&timeout=120"
+            store = open_store(f"{url}&transport={transport}")
             out[name] = ray.get(client.store.remote(store.url, repeats), timeout=900)
             store.close()
         out["raw ray"] = ray.get(client.raw.remote(repeats, holder), timeout=900)
@@ -328,18 +335,18 @@ def targets(systems: dict[str, Any]) -> dict[str, Any]:
 
 def table(systems: dict[str, Any]) -> str:
     lines = [
-        f"{'system':<16}" + "".join(f"{c + ' put':>11}{c + ' get':>11}" for c in CASES) + "   (ms)"
+        f"{'system':<26}" + "".join(f"{c + ' put':>11}{c + ' get':>11}" for c in CASES) + "   (ms)"
     ]
     for name, timings in systems.items():
         if name == "transferqueue":
             if not timings["available"]:
-                lines.append(f"{name:<16}unavailable: {timings['reason'][:120]}")
+                lines.append(f"{name:<26}unavailable: {timings['reason'][:120]}")
                 continue
             timings = timings["timings"]
         cells = "".join(
             f"{timings[c]['put'] * 1e3:>11.2f}{timings[c]['get'] * 1e3:>11.2f}" for c in CASES
         )
-        lines.append(f"{name:<16}{cells}")
+        lines.append(f"{name:<26}{cells}")
     return "\n".join(lines)
 
 

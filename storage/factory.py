@@ -2,7 +2,9 @@
 
 - `memory://` a private in-process store; `memory://NAME` one shared by name within the process;
 - `ray://NAME?shards=2&namespace=ppoflow` shards as named Ray actors on the current Ray instance
-  (another process opening the same URL reaches the same store);
+  (another process opening the same URL reaches the same store); `&transport=` picks how data
+  reaches them: `auto` (default: shared memory for shards on this node, Ray's object store for
+  the others), `shm` (shared memory or an error) or `object_store` (always Ray calls);
 - `?timeout=SECONDS` on either sets the default get timeout (300 s unless given), as does the
   `default_timeout` argument, which wins over the URL.
 """
@@ -14,7 +16,8 @@ from urllib.parse import parse_qs, urlsplit
 from storage.base import DEFAULT_TIMEOUT_S, Store, check_timeout
 from storage.errors import StoreError
 
-_PARAMS = {"memory": {"timeout"}, "ray": {"timeout", "shards", "namespace"}}
+_PARAMS = {"memory": {"timeout"}, "ray": {"timeout", "shards", "namespace", "transport"}}
+_TRANSPORTS = ("auto", "shm", "object_store")
 
 
 def _query(url: str, scheme: str, query: str) -> dict[str, str]:
@@ -63,6 +66,10 @@ def open_store(url: str = "memory://", *, default_timeout: float | None = None) 
     shards = _number(url, params, "shards", 0)
     if shards != int(shards) or shards < 0:
         raise StoreError(f"store URL {url!r}: shards must be a positive integer")
+    transport = params.get("transport", "auto")
+    if transport not in _TRANSPORTS:
+        raise StoreError(f"store URL {url!r}: transport must be one of {list(_TRANSPORTS)}")
     from storage.ray_backend import RayStore
 
-    return RayStore.open(name, int(shards), params.get("namespace", "ppoflow"), timeout)
+    namespace = params.get("namespace", "ppoflow")
+    return RayStore.open(name, int(shards), namespace, timeout, transport)

@@ -1,25 +1,33 @@
-"""The Ray backend (`ray://NAME?shards=N&namespace=NS`): partitions spread over Ray actor shards.
+"""The Ray backend (`ray://NAME?shards=N&namespace=NS&transport=auto`): partitions over Ray actors.
 
 Key k lives on shard `crc32(k) % N`. Each shard is an async Ray actor named
 `ppoflow-store/NAME/shard-i` in namespace NS, holding `Partition`s exactly like the embedded
-store; any process that opens the same URL reaches the same shards. A get waits inside each
-shard on an asyncio.Condition that puts notify (event-driven), and the client waits on every
-shard's reply with the remaining timeout; every blocking `ray.get` has a timeout.
+store; any process that opens the same URL reaches the same shards. Ray finds and owns the shards;
+how data reaches them depends on where they run (`storage.ray_links`):
 
-Data crosses processes as numpy buffers plus a JSON header (`storage.wire`), never as pickled
-Python objects. A put is placed in the object store once, and each involved shard copies out
-the rows it owns (zero-copy reads on one node; across nodes each involved shard pulls the batch).
-A put touching one shard is one call; one spanning shards is two-phase (every shard validates
-and stages, then all commit), so a failed put changes nothing. A concurrent put to the same keys
-and fields fails fast with ConflictError instead of deadlocking. Only this module imports Ray (the shard class in `storage.ray_shard` does not).
+- same node (`transport=auto`, the default, or `shm` to insist): requests are JSON frames on the
+  shard's Unix socket and column bytes cross through a shared-memory arena reused by every
+  request of a connection: a put is one copy into the arena and one into the shard, a get one copy
+  into the arena and one into fresh client arrays; no Ray call is on the path;
+- another node, or `transport=object_store`: Ray actor calls; a put's batch is placed in the
+  object store once and each involved shard copies out its rows, a get's rows come back through it.
+
+Either way data crosses processes as numpy buffers plus JSON headers (`storage.wire`), never as
+pickled Python objects. A put touching one shard is one request; one spanning shards is two-phase
+(every shard validates and stages, then all commit), so a failed put changes nothing, and a
+concurrent put to the same keys and fields fails fast with ConflictError instead of deadlocking.
+A get waits inside each shard on an asyncio.Condition that puts notify (event-driven); the client
+waits on every reply with the remaining timeout, and every wait is bounded. Only this module and
+`storage.ray_links` import Ray.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +35,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 from tensordict import TensorDict
 
+from storage import shm
 from storage.base import (
     Fields,
     Store,
@@ -36,40 +45,82 @@ from storage.base import (
     check_specs,
     timeout_error,
 )
+from storage.channel import ChannelClosed
 from storage.columnar import BoolArray, Column, IntArray, concat, empty_column, gather
 from storage.convert import to_columns, to_tensordict
 from storage.errors import SchemaError, StoreError, StoreTimeout
 from storage.factory import open_store
 from storage.meta import BatchMeta
 from storage.partition import PartitionDump
+from storage.ray_links import Link, LocalLink, Outgoing, Pending, RayLink, RayPending, Reply, pick
 from storage.ray_shard import StoreShard, actor_name, dump_from, dump_header, shard_of
 from storage.schema import FieldSpec, registered_spec
-from storage.wire import keys_blob, message, open_message, pack_columns, unpack_columns
+from storage.wire import keys_blob, message, open_message, unpack_columns
 
 DEFAULT_SHARDS = 2
 _GRACE_S = 10.0  # how much longer than a shard's own wait the client waits for its reply
 _MIN_RPC_S = 30.0  # the least any other shard call is given, even with a short default_timeout
 
 
+def _url(name: str, shards: int, namespace: str, timeout: float, transport: str) -> str:
+    url = f"ray://{name}?shards={shards}&namespace={namespace}&timeout={timeout:g}"
+    return url if transport == "auto" else f"{url}&transport={transport}"
+
+
+def _link(actor: Any, config: Mapping[str, Any], transport: str, url: str, timeout: float) -> Link:
+    """The local path to a shard when it runs on this node and answers there, else Ray calls."""
+    if transport == "object_store":
+        return RayLink(actor, url)
+    reason = "it runs on another node"
+    if not shm.available():
+        reason = "this platform lacks memfd or descriptor passing"
+    elif config.get("node") == ray.get_runtime_context().get_node_id():
+        reason = "it has no local socket"
+        if config.get("socket"):
+            try:
+                return LocalLink(config["socket"], url, timeout)
+            except (OSError, ChannelClosed) as exc:
+                reason = f"its local socket failed: {exc!r}"
+    if transport == "shm":
+        raise StoreError(
+            f"{url}: shard {config['index']} cannot be reached through shared memory ({reason}); "
+            "open the store with transport=auto or transport=object_store"
+        )
+    return RayLink(actor, url)
+
+
 class RayStore(Store):
     """A client of the shards of one named store (create with `open_store("ray://NAME")`)."""
 
     def __init__(
-        self, name: str, namespace: str, shards: list[Any], owned: list[bool], timeout: float
+        self,
+        name: str,
+        url: str,
+        shards: list[Any],
+        owned: list[bool],
+        links: list[Link],
+        timeout: float,
     ) -> None:
-        url = f"ray://{name}?shards={len(shards)}&namespace={namespace}&timeout={timeout:g}"
         super().__init__(url, timeout)
         self.name = name
         self._shards = shards
         self._owned = owned
+        self._links = links
         self._rpc_timeout = max(timeout, _MIN_RPC_S)
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         """Unpickles as a new handle attached by URL (which never kills the shards on close)."""
         return (open_store, (self.url,))
 
+    @property
+    def transports(self) -> list[str]:
+        """How each shard is reached from this handle: "shm" or "object_store"."""
+        return [link.transport for link in self._links]
+
     @classmethod
-    def open(cls, name: str, shards: int, namespace: str, timeout: float) -> RayStore:
+    def open(
+        cls, name: str, shards: int, namespace: str, timeout: float, transport: str = "auto"
+    ) -> RayStore:
         """Attaches to the named store's shards, creating those that do not exist yet."""
         if not ray.is_initialized():
             raise StoreError(
@@ -100,16 +151,32 @@ class RayStore(Store):
             json.loads(c)
             for c in ray.get([h.config.remote() for h in handles[1:]], timeout=rpc_timeout)
         ]
-        return cls(name, namespace, handles, [c["owner"] == token for c in configs], timeout)
+        url = _url(name, total, namespace, timeout, transport)
+        owned = [c["owner"] == token for c in configs]
+        links: list[Link] = []
+        try:
+            for handle, shard_config in zip(handles, configs):
+                links.append(_link(handle, shard_config, transport, url, rpc_timeout))
+        except StoreError:  # transport=shm and a shard is out of reach: undo this open
+            for link in links:
+                link.close()
+            for handle, mine in zip(handles, owned):
+                if mine:
+                    ray.kill(handle, no_restart=True)
+            raise
+        return cls(name, url, handles, owned, links, timeout)
 
     # -- calls ------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self.url} is closed; open the store again")
 
     def _replies(
         self, refs: Sequence[Any], timeout: float, what: str, partition_id: str
     ) -> list[Any]:
-        """`ray.get` with a timeout; Ray failures become typed store errors."""
-        if self._closed:
-            raise StoreError(f"{self.url} is closed; open the store again")
+        """`ray.get` of plain actor calls with a timeout; Ray failures become typed store errors."""
+        self._check_open()
         start = time.monotonic()
         try:
             return list(ray.get(list(refs), timeout=timeout))
@@ -122,39 +189,53 @@ class RayStore(Store):
                 f"{self.url}: {what} failed in a shard: {exc}; reopen the store"
             ) from exc
 
+    def _settle(self, pending: Mapping[int, Pending], partition_id: str) -> None:
+        """Waits for every reply (each within the call timeout); raises the first failure."""
+        errors = []
+        for request in pending.values():
+            try:
+                request.result(self._rpc_timeout, partition_id).release()
+            except StoreError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
     def _route(self, keys: Sequence[str]) -> dict[int, IntArray]:
         """Positions of the keys owned by each involved shard (shard 0 answers for no keys)."""
-        if not keys:
-            return {0: np.zeros(0, np.int64)}
+        if not keys or len(self._shards) == 1:
+            return {0: np.arange(len(keys), dtype=np.int64)}
         owner = shard_of(keys, len(self._shards))
         routes = {s: np.flatnonzero(owner == s) for s in range(len(self._shards))}
         return {s: rows for s, rows in routes.items() if rows.size}
 
+    @staticmethod
+    def _fan_out(start: Callable[[int], Pending], shards: Iterable[int]) -> dict[int, Pending]:
+        """Starts a request on every shard (cancelling those started if one cannot be)."""
+        pending: dict[int, Pending] = {}
+        try:
+            for s in shards:
+                pending[s] = start(s)
+        except BaseException:
+            for request in pending.values():
+                request.cancel()
+            raise
+        return pending
+
     def _two_phase(
-        self, stage: Callable[[int, str], Any], shards: Sequence[int], partition_id: str
+        self, stage: Callable[[int, str], Pending], shards: Sequence[int], partition_id: str
     ) -> None:
         """Stages a change on every shard, then commits it, or aborts it everywhere."""
         txn = uuid.uuid4().hex
-        replies = self._replies(
-            [stage(s, txn) for s in shards], self._rpc_timeout, "prepare", partition_id
-        )
-        errors = []
-        for reply in replies:
-            try:
-                open_message(reply)
-            except StoreError as exc:
-                errors.append(exc)
-        if errors:
-            self._replies(
-                [self._shards[s].abort.remote(txn) for s in shards],
-                self._rpc_timeout,
-                "abort",
-                partition_id,
-            )
-            raise errors[0]
-        commits = [self._shards[s].commit.remote(txn) for s in shards]
-        for reply in self._replies(commits, self._rpc_timeout, "commit", partition_id):
-            open_message(reply)
+        try:
+            self._settle(self._fan_out(lambda s: stage(s, txn), shards), partition_id)
+        except StoreError:
+            # best effort: a shard that cannot be reached drops the stage when it expires
+            with contextlib.suppress(StoreError):
+                aborts = self._fan_out(lambda s: self._links[s].abort(txn), shards)
+                self._settle(aborts, partition_id)
+            raise
+        commits = self._fan_out(lambda s: self._links[s].commit(txn), shards)
+        self._settle(commits, partition_id)
 
     # -- the verbs ---------------------------------------------------------------------------------
 
@@ -164,22 +245,18 @@ class RayStore(Store):
         check_partition_id(partition_id)
         keys = check_keys(keys, partition_id)
         columns = to_columns(fields, len(keys), partition_id, registered_spec)
-        arrays: list[Any] = []
-        payload = ray.put(message({"fields": pack_columns(columns, arrays)}, arrays))
-        routes = self._route(keys)
-        shard_keys = {s: keys_blob([keys[i] for i in rows.tolist()]) for s, rows in routes.items()}
-        if len(routes) == 1:
-            ((s, rows),) = routes.items()
-            ref = self._shards[s].put.remote(partition_id, shard_keys[s], rows, payload, overwrite)
-            open_message(self._replies([ref], self._rpc_timeout, "put", partition_id)[0])
+        self._check_open()
+        out = Outgoing(partition_id, keys, columns, self._route(keys), overwrite)
+        if len(out.routes) == 1:
+            ((s, _),) = out.routes.items()
+            self._settle({s: self._links[s].put(out, s)}, partition_id)
         else:
             ttl = self._rpc_timeout * 2
 
-            def stage(s: int, txn: str) -> Any:
-                args = (partition_id, shard_keys[s], routes[s], payload, overwrite, ttl)
-                return self._shards[s].prepare.remote(txn, *args)
+            def stage(s: int, txn: str) -> Pending:
+                return self._links[s].prepare(txn, out, s, ttl)
 
-            self._two_phase(stage, list(routes), partition_id)
+            self._two_phase(stage, list(out.routes), partition_id)
         return BatchMeta(partition_id, tuple(keys), tuple(columns))
 
     def kv_batch_get(
@@ -191,34 +268,39 @@ class RayStore(Store):
     ) -> TensorDict:
         check_partition_id(partition_id)
         keys = check_keys(keys, partition_id)
-        fields = json.dumps(check_select(select_fields, partition_id)).encode()
+        fields = check_select(select_fields, partition_id)
         budget = self.resolve_timeout(timeout)
+        self._check_open()
         start = time.monotonic()
         routes = self._route(keys)
-        refs = {
-            s: self._shards[s].get.remote(
-                partition_id, keys_blob([keys[i] for i in rows.tolist()]), fields, budget
-            )
-            for s, rows in routes.items()
-        }
-        replies = {}
-        for s, ref in refs.items():
-            remaining = max(0.0, budget - (time.monotonic() - start)) + _GRACE_S
-            replies[s] = open_message(self._replies([ref], remaining, "get", partition_id)[0])
-        missing = self._missing(len(keys), routes, replies)
-        if missing:
-            raise timeout_error(partition_id, keys, missing, time.monotonic() - start)
-        return to_tensordict(self._merge(partition_id, len(keys), routes, replies), len(keys))
+        pending = self._fan_out(
+            lambda s: self._links[s].get(partition_id, pick(keys, routes[s]), fields, budget),
+            routes,
+        )
+        replies: dict[int, Reply] = {}
+        try:
+            for s, request in pending.items():
+                remaining = max(0.0, budget - (time.monotonic() - start)) + _GRACE_S
+                replies[s] = request.result(remaining, partition_id)
+            missing = self._missing(len(keys), routes, replies)
+            if missing:
+                raise timeout_error(partition_id, keys, missing, time.monotonic() - start)
+            columns = self._merge(partition_id, len(keys), routes, replies)
+        finally:
+            for s, request in pending.items():
+                if s in replies:
+                    replies[s].release()
+                else:
+                    request.cancel()
+        return to_tensordict(columns, len(keys))
 
     @staticmethod
     def _missing(
-        n_keys: int,
-        routes: Mapping[int, IntArray],
-        replies: Mapping[int, tuple[dict[str, Any], list[Any]]],
+        n_keys: int, routes: Mapping[int, IntArray], replies: Mapping[int, Reply]
     ) -> dict[str, BoolArray]:
         missing: dict[str, BoolArray] = {}
-        for s, (header, _) in replies.items():
-            for name, rows in header.get("missing", {}).items():
+        for s, reply in replies.items():
+            for name, rows in reply.header.get("missing", {}).items():
                 mask = missing.setdefault(name, np.zeros(n_keys, np.bool_))
                 mask[routes[s][np.asarray(rows, np.int64)]] = True
         return missing
@@ -228,14 +310,14 @@ class RayStore(Store):
         partition_id: str,
         n_keys: int,
         routes: Mapping[int, IntArray],
-        replies: Mapping[int, tuple[dict[str, Any], list[Any]]],
+        replies: Mapping[int, Reply],
     ) -> dict[str, Column]:
-        """The shards' rows back in request order (one gather per field: a fresh copy)."""
-        parts = {
-            s: unpack_columns(header["fields"], arrays) for s, (header, arrays) in replies.items()
-        }
+        """The shards' rows in request order, as fresh copies (replies view arenas or Ray)."""
+        parts = {s: unpack_columns(r.header["fields"], r.arrays) for s, r in replies.items()}
         order = list(parts)
         names = [n for n in parts[order[0]] if all(n in parts[s] for s in order)]
+        if len(order) == 1 and routes[order[0]].size == n_keys:  # one shard, already in order
+            return {name: parts[order[0]][name].copy() for name in names}
         chunk_ids = np.zeros(n_keys, np.int64)
         rows = np.zeros(n_keys, np.int64)
         for j, s in enumerate(order):
@@ -267,9 +349,7 @@ class RayStore(Store):
             keys = check_keys(keys, partition_id)
             routes = self._route(keys)
             refs = [
-                self._shards[s].clear.remote(
-                    partition_id, keys_blob([keys[i] for i in rows.tolist()])
-                )
+                self._shards[s].clear.remote(partition_id, keys_blob(pick(keys, rows)))
                 for s, rows in routes.items()
             ]
         return sum(self._replies(refs, self._rpc_timeout, "kv_clear", partition_id))
@@ -281,9 +361,11 @@ class RayStore(Store):
         ).encode()
         ttl = self._rpc_timeout * 2
 
-        def stage(s: int, txn: str) -> Any:
-            return self._shards[s].stage_declare.remote(txn, partition_id, blob, ttl)
+        def stage(s: int, txn: str) -> Pending:
+            ref = self._shards[s].stage_declare.remote(txn, partition_id, blob, ttl)
+            return RayPending(ref, "declare", self.url)
 
+        self._check_open()
         self._two_phase(stage, range(len(self._shards)), partition_id)
 
     def partitions(self) -> list[str]:
@@ -305,11 +387,13 @@ class RayStore(Store):
         return _concat_dumps(dumps)
 
     def _import(self, dumps: Sequence[PartitionDump], replace: bool) -> None:
+        self._check_open()
         ttl = self._rpc_timeout * 2
         payloads = [self._import_payload(dumps, s) for s in range(len(self._shards))]
 
-        def stage(s: int, txn: str) -> Any:
-            return self._shards[s].stage_import.remote(txn, payloads[s], replace, ttl)
+        def stage(s: int, txn: str) -> Pending:
+            ref = self._shards[s].stage_import.remote(txn, payloads[s], replace, ttl)
+            return RayPending(ref, "load", self.url)
 
         self._two_phase(stage, range(len(self._shards)), ",".join(d.partition_id for d in dumps))
 
@@ -319,10 +403,13 @@ class RayStore(Store):
         return ray.put(message({"dumps": headers}, arrays))
 
     def close(self) -> None:
-        """Kills the shards this handle created; handles that attached leave them running."""
+        """Closes this handle's connections and kills the shards it created (attached handles
+        leave them running)."""
         if self._closed:
             return
         self._closed = True
+        for link in self._links:
+            link.close()
         for shard, owned in zip(self._shards, self._owned):
             if owned:
                 ray.kill(shard, no_restart=True)

@@ -3,7 +3,9 @@
 A message is `(header, *arrays)`: `header` is UTF-8 JSON bytes; each column contributes its
 values buffer (and, for jagged and object fields, its int64 offsets) as plain numpy arrays, which
 Ray's object store moves zero-copy. Object fields travel as their JSON bytes, like any buffer.
-Errors travel as `{"error": class name, "message": text}` headers and are re-raised typed.
+The same column entries (`pack_columns`) describe arrays placed in a shared-memory arena
+(`storage.shm`) on the local path. Errors travel as `{"error": class name, "message": text}`
+headers and are re-raised typed.
 """
 
 from __future__ import annotations
@@ -51,15 +53,24 @@ def message(header: Mapping[str, Any], arrays: Sequence[AnyArray] = ()) -> Messa
     return (json.dumps(header).encode(), *arrays)
 
 
+def error_header(exc: StoreError) -> dict[str, Any]:
+    return {"error": type(exc).__name__, "message": str(exc)}
+
+
 def error_message(exc: StoreError) -> Message:
-    return message({"error": type(exc).__name__, "message": str(exc)})
+    return message(error_header(exc))
+
+
+def check_header(header: dict[str, Any]) -> dict[str, Any]:
+    """The header itself, unless it is an error reply: then its typed error is raised."""
+    if "error" in header:
+        raise _ERRORS.get(header["error"], StoreError)(header["message"])
+    return header
 
 
 def open_message(reply: Message) -> tuple[dict[str, Any], list[AnyArray]]:
     """The header and arrays of a reply; re-raises an error reply as its typed error."""
-    header = json.loads(reply[0])
-    if "error" in header:
-        raise _ERRORS.get(header["error"], StoreError)(header["message"])
+    header = check_header(json.loads(reply[0]))
     return header, [np.asarray(array) for array in reply[1:]]
 
 
