@@ -350,59 +350,69 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-MicroStep = Callable[..., dict[str, float]]  # (mb=, mb_tensors=, loss_denominator=) -> loss parts
+MicroStep = Callable[
+    ..., dict[str, float]
+]  # (model=, mb=, mb_tensors=, cfg=, loss_denominator=, tally=)
 
 
-def _epochs(
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: PackedBatch,
-    per_token: dict[str, Tensor],
-    cfg: ActorUpdateSettings | CriticUpdateSettings,
-    micro_step: MicroStep,
-    tally: _Tally,
-    grad_norm_key: str,
-    scheduler: Scheduler | None,
-    grad_reducer: GradReducer | None,
-    override: float | Sequence[float] | None,
-) -> None:
+@dataclass
+class _Epochs:
     """The loop both updates share: per epoch, per mini-batch (one optimizer step), per
-    micro-batch `micro_step(mb=, mb_tensors=, loss_denominator=)` (forward + backward, returns
-    its loss parts); then reduce, clip and step."""
-    device = _model_device(model)
-    for epoch in range(cfg.ppo_epochs):
-        # 1. Mini-batches and each one's loss denominator.
-        minibatches = _minibatch_rows(
-            batch_size=batch.batch_size,
-            mini_batch_size=cfg.mini_batch_size,
-            epoch=epoch,
-            shuffle_seed=cfg.shuffle_seed,
-        )
-        denominators = _denominators(
-            override=override,
-            response_mask=batch.response_mask,
-            minibatches=minibatches,
-            agg=cfg.agg,
-            shuffled=cfg.shuffle_seed is not None,
-        )
-        for mini_rows, denominator in zip(minibatches, denominators):
-            # 2. Forward/backward every micro-batch with the mini-batch's denominator.
-            for micro_rows in torch.split(mini_rows, cfg.micro_batch_size):
-                mb, mb_tensors = _micro_batch(batch, per_token, micro_rows, device)
-                tally.add_step(
-                    **micro_step(mb=mb, mb_tensors=mb_tensors, loss_denominator=denominator)
-                )
-            # 3. Reduce, clip, step.
-            grad_norm = _optimizer_step(
-                model=model,
-                optimizer=optimizer,
-                max_grad_norm=cfg.max_grad_norm,
-                grad_reducer=grad_reducer,
-                scheduler=scheduler,
-                tally=tally,
+    micro-batch `micro_step` (forward + backward, returns its loss parts); then reduce, clip and
+    step. `role` names the grad-norm metric (`<role>/grad_norm`)."""
+
+    role: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    cfg: ActorUpdateSettings | CriticUpdateSettings
+    micro_step: MicroStep
+
+    def run(
+        self,
+        batch: PackedBatch,
+        per_token: dict[str, Tensor],
+        scheduler: Scheduler | None,
+        grad_reducer: GradReducer | None,
+        global_tokens: float | Sequence[float] | None,
+        global_seqs: float | Sequence[float] | None,
+    ) -> _Tally:
+        cfg, tally = self.cfg, _Tally()
+        override = global_tokens if cfg.agg == "token-mean" else global_seqs
+        step = functools.partial(self.micro_step, model=self.model, cfg=cfg, tally=tally)
+        device = _model_device(self.model)
+        for epoch in range(cfg.ppo_epochs):
+            # 1. Mini-batches and each one's loss denominator.
+            minibatches = _minibatch_rows(
+                batch_size=batch.batch_size,
+                mini_batch_size=cfg.mini_batch_size,
+                epoch=epoch,
+                shuffle_seed=cfg.shuffle_seed,
             )
-            tally.add_step(**{grad_norm_key: grad_norm})
+            denominators = _denominators(
+                override=override,
+                response_mask=batch.response_mask,
+                minibatches=minibatches,
+                agg=cfg.agg,
+                shuffled=cfg.shuffle_seed is not None,
+            )
+            for mini_rows, denominator in zip(minibatches, denominators):
+                # 2. Forward/backward every micro-batch with the mini-batch's denominator.
+                for micro_rows in torch.split(mini_rows, cfg.micro_batch_size):
+                    mb, mb_tensors = _micro_batch(batch, per_token, micro_rows, device)
+                    tally.add_step(
+                        **step(mb=mb, mb_tensors=mb_tensors, loss_denominator=denominator)
+                    )
+                # 3. Reduce, clip, step.
+                grad_norm = _optimizer_step(
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    max_grad_norm=cfg.max_grad_norm,
+                    grad_reducer=grad_reducer,
+                    scheduler=scheduler,
+                    tally=tally,
+                )
+                tally.add_step(**{f"{self.role}/grad_norm": grad_norm})
+        return tally
 
 
 def actor_update(
@@ -443,20 +453,10 @@ def actor_update(
         per_token["ref_logprobs"] = ref_logprobs
     _check_per_token(batch, per_token)
 
-    tally = _Tally()
-    _epochs(
-        model=model,
-        optimizer=optimizer,
-        batch=batch,
-        per_token=per_token,
-        cfg=cfg,
-        micro_step=functools.partial(_actor_micro_step, model=model, cfg=cfg, tally=tally),
-        tally=tally,
-        grad_norm_key="actor/grad_norm",
-        scheduler=scheduler,
-        grad_reducer=grad_reducer,
-        override=global_tokens if cfg.agg == "token-mean" else global_seqs,
+    loop = _Epochs(
+        role="actor", model=model, optimizer=optimizer, cfg=cfg, micro_step=_actor_micro_step
     )
+    tally = loop.run(batch, per_token, scheduler, grad_reducer, global_tokens, global_seqs)
     metrics = tally.metrics()
     metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["actor/skipped_steps"] = float(tally.skipped_steps)
@@ -524,20 +524,10 @@ def critic_update(
     per_token = {"old_values": old_values, "returns": returns}
     _check_per_token(batch, per_token)
 
-    tally = _Tally()
-    _epochs(
-        model=model,
-        optimizer=optimizer,
-        batch=batch,
-        per_token=per_token,
-        cfg=cfg,
-        micro_step=functools.partial(_critic_micro_step, model=model, cfg=cfg, tally=tally),
-        tally=tally,
-        grad_norm_key="critic/grad_norm",
-        scheduler=scheduler,
-        grad_reducer=grad_reducer,
-        override=global_tokens if cfg.agg == "token-mean" else global_seqs,
+    loop = _Epochs(
+        role="critic", model=model, optimizer=optimizer, cfg=cfg, micro_step=_critic_micro_step
     )
+    tally = loop.run(batch, per_token, scheduler, grad_reducer, global_tokens, global_seqs)
     metrics = tally.metrics()
     metrics["critic/lr"] = float(optimizer.param_groups[0]["lr"])
     return metrics
