@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 import zlib
 
@@ -53,7 +54,14 @@ def test_named_store_is_shared_and_closed_by_its_creator(ray_local: object) -> N
     guest.close()  # an attached handle leaves the shards running
     assert owner.kv_list("p") != {}
     owner.close()
-    for i in range(2):
+    for i in range(2):  # ray.kill is asynchronous: the name goes once the actor is dead
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(actor_name(name, i), namespace="ppoflow")
+            except ValueError:
+                break
+            time.sleep(0.05)
         with pytest.raises(ValueError):
             ray.get_actor(actor_name(name, i), namespace="ppoflow")
     with pytest.raises(StoreError, match="closed"):
