@@ -39,6 +39,24 @@ STAGES = ("generate", "score", "logprobs", "advantage", "update")
 ITERATION_EVENT = "ppoflow.iteration.completed"
 
 
+def recorded_task_runs(
+    client: Any, run_id: UUID, expected: set[str], timeout_s: float = 60
+) -> list:
+    """The flow run's task runs once every ``expected`` name is recorded in a final state (or the
+    timeout ends): the server records task runs from events it processes after the run ends."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])), limit=200
+        )
+        final = {t.name for t in runs if t.state is not None and t.state.is_final()}
+        if expected <= final or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.5)
+
+
 def stage_names(steps: range) -> set[str]:
     return {f"{stage}[step={s}]" for stage in STAGES for s in steps}
 
@@ -170,15 +188,12 @@ async def _events(url: str, run_name: str, want: int, timeout_s: float) -> list[
 def test_tiny_run_through_the_work_pool(prefect_api: LocalServer, tiny_run: TinyRun) -> None:
     from prefect.artifacts import Artifact
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     run_id = tiny_run.flow_run.id
     assert tiny_run.flow_run.state.is_completed()
     # 1. One task run per stage per step, for the first half (steps 0 and 1) only.
     with get_client(sync_client=True) as client:
-        task_runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])), limit=200
-        )
+        task_runs = recorded_task_runs(client, run_id, stage_names(range(2)))
     names = {t.name for t in task_runs}
     assert stage_names(range(2)) <= names
     assert not any("[step=2]" in n for n in names)
@@ -233,8 +248,6 @@ def test_served_interval_schedule_fires_and_resumes(
     from prefect.client.schemas.filters import (
         DeploymentFilter,
         DeploymentFilterName,
-        FlowRunFilter,
-        FlowRunFilterId,
     )
     from prefect.client.schemas.sorting import FlowRunSort
 
@@ -269,9 +282,7 @@ def test_served_interval_schedule_fires_and_resumes(
                 f"{finished.state.message}\n{log_tail(prefect_api.root / 'serve.log')}"
             )
             assert finished.auto_scheduled  # created by the schedule, not by this test
-            task_runs = client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[finished.id])), limit=200
-            )
+            task_runs = recorded_task_runs(client, finished.id, stage_names(range(2, 4)))
     names = {t.name for t in task_runs}
     assert stage_names(range(2, 4)) <= names
     assert not any(f"[step={s}]" in n for s in (0, 1) for n in names)

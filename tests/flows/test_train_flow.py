@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,18 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 STAGES = ("generate", "score", "logprobs", "advantage", "update")
 
 
-def _task_run_names(flow_run_id) -> list[str]:
+def _task_run_names(flow_run_id, expected: set[str], timeout: float = 60.0) -> set[str]:
+    """Task-run names of the flow run once ``expected`` are all recorded (or the timeout ends):
+    the server records task runs from events it processes after the flow has returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        names = set(_read_task_run_names(flow_run_id))
+        if expected <= names or time.monotonic() > deadline:
+            return names
+        time.sleep(0.2)
+
+
+def _read_task_run_names(flow_run_id) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -57,7 +69,7 @@ def test_tiny_sync_run_records_every_stage_of_every_step(
     assert "eval/rule_accuracy" in rows[0] and "eval/rule_accuracy" in rows[-1]
     assert summary["checkpoint"] and Path(summary["checkpoint"], "state.json").exists()
     assert Path(summary["plot"]).stat().st_size > 0
-    names = set(_task_run_names(flow_run_id))
+    names = _task_run_names(flow_run_id, {f"{s}[step={k}]" for s in STAGES for k in range(3)})
     for step in range(3):
         for stage in STAGES:
             assert f"{stage}[step={step}]" in names, (stage, step, sorted(names))
@@ -108,8 +120,9 @@ def test_one_on_policy_step_without_reference_skips_the_logprobs_task(
     _, summary, flow_run_id = _run(
         tiny_overrides, "algorithm.kl.monitor=false", "trainer.total_steps=2"
     )
-    names = set(_task_run_names(flow_run_id))
-    assert {"generate[step=1]", "score[step=1]", "advantage[step=1]", "update[step=1]"} <= names
+    four = {"generate[step=1]", "score[step=1]", "advantage[step=1]", "update[step=1]"}
+    names = _task_run_names(flow_run_id, four)
+    assert four <= names
     assert not any(n.startswith("logprobs[") for n in names), sorted(names)
     _, _, flow_run_id = _run(
         tiny_overrides,
@@ -118,4 +131,4 @@ def test_one_on_policy_step_without_reference_skips_the_logprobs_task(
         "trainer.total_steps=1",
         f"run_dir={tmp_path / 'recompute'}",
     )
-    assert "logprobs[step=0]" in set(_task_run_names(flow_run_id))
+    assert "logprobs[step=0]" in _task_run_names(flow_run_id, {"logprobs[step=0]"})
