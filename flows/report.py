@@ -156,10 +156,16 @@ class RunReport:
             print(f"[{self.name}] step {step + 1}/{self.total} {info}", flush=True)
 
     def close(self) -> None:
-        self._publish()
+        """Publish what is pending and stop the bar. Runs in the training loop's ``finally``: a
+        failed publish is reported, not raised, so it cannot hide the error that ended a run
+        (metrics.jsonl already holds every row)."""
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+        try:
+            self._publish()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            print(f"[{self.name}] could not update the Prefect artifacts: {exc}", file=sys.stderr)
 
     def summary(self, *, plot: Path | None, checkpoint: Path | None, extra: dict[str, Any]) -> str:
         first = next((r for r in self.rows if "eval/rule_accuracy" in r), None)
