@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,7 +246,13 @@ class PPOWorker:
         )
 
     @torch.no_grad()
-    def _micro_forward(self, model: torch.nn.Module, batch: Any, micro: int, gather: Any) -> Tensor:
+    def _micro_forward(
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        micro: int,
+        gather: Callable[[Tensor, Any], Tensor],
+    ) -> Tensor:
         """``gather(logits, micro_batch)`` over micro-batches of ``batch``, concatenated."""
         outs = []
         for start in range(0, batch.input_ids.shape[0], micro):

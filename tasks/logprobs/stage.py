@@ -35,9 +35,7 @@ def logprobs(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     data = read(ctx, meta, READS)
     prompts, responses = data["prompt_ids"], data["response_ids"]
     # 2. Forward passes on the training workers, sharded by sample.
-    names = writes(ctx)
-    if not names:  # one on-policy step without reference or critic: nothing to compute
-        return meta
+    names = writes(ctx)  # never empty here: the training loop leaves the task out then
     group = ctx.train_group
     actor = {"actor": "old_logprobs" in names}
     outs = group.call_sharded(

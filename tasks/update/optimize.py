@@ -306,8 +306,8 @@ def _actor_micro_step(
     if old_logprobs is None:  # one on-policy step: the weights have not moved yet
         old_logprobs = logprobs.detach()  # (b, T)
         if "ref_logprobs" in mb_tensors:
-            delta = (old_logprobs - mb_tensors["ref_logprobs"])[mb.response_mask]
-            token_means["actor/kl_to_ref"] = float(delta.mean().nan_to_num())
+            kl = KL_PENALTIES["k1"](old_logprobs - mb_tensors["ref_logprobs"])  # (b, T)
+            token_means["actor/kl_to_ref"] = float(kl[mb.response_mask].mean().nan_to_num())
     out = actor_loss(
         logprobs=logprobs,
         old_logprobs=old_logprobs,
@@ -350,9 +350,8 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-MicroStep = Callable[
-    ..., dict[str, float]
-]  # (model=, mb=, mb_tensors=, cfg=, loss_denominator=, tally=)
+# Called as (model=, mb=, mb_tensors=, cfg=, loss_denominator=, tally=) -> loss parts.
+MicroStep = Callable[..., dict[str, float]]
 
 
 @dataclass
