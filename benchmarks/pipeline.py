@@ -434,7 +434,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
     from tasks.generate.stage import generation_seed
     from tasks.logprobs.stage import writes
     from tasks.score.stage import rule_scores
-    from tasks.update.stage import reads
+    from tasks.update.stage import update_fields
 
     cfg, n, t = ctx.cfg, ctx.cfg.rollout.n, {}
     start = time.perf_counter()
@@ -451,7 +451,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
     prompts = Jagged.from_rows([p for p in ids for _ in range(n)])
     with timed(t, "generate"):
         seed = generation_seed(cfg.seed, step)
-        responses, _, _ = worker.generate(Jagged.from_rows(ids), n=n, seed=seed)
+        responses, rollout_logprobs, _ = worker.generate(Jagged.from_rows(ids), n=n, seed=seed)
     with timed(t, "score"):
         raw = [r.raw_prompt for r in rows for _ in range(n)]
         rm, _ = worker.score(prompts, responses, raw)
@@ -461,6 +461,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
         needed = writes(ctx)  # nothing for one on-policy step without reference or critic
         actor = "old_logprobs" in needed
         fields = worker.forward(prompts, responses, actor=actor) if needed else {}
+        fields["rollout_logprobs"] = rollout_logprobs
     with timed(t, "advantage"):
         group_ids = torch.arange(len(rows)).repeat_interleave(n)  # (B,)
         d = compute(
@@ -473,8 +474,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
             {k: Jagged.from_rows(unpad(d[k], lengths)) for k in ("advantages", "returns")}
         )
     with timed(t, "update"):
-        names = [k for k in reads(ctx) if k not in ("prompt_ids", "response_ids")]
-        worker.update(prompts, responses, {k: fields[k] for k in names})
+        worker.update(prompts, responses, update_fields(ctx, fields))
     t["timing_s/step"] = time.perf_counter() - start
     t["perf/total_num_tokens"] = float(responses.lengths.sum())
     return t

@@ -6,12 +6,16 @@ How the three modes differ here:
 - ``colocate_async``: when a step finds no responses, the rollout wakes once and generates this
   step and the next ``max_staleness`` steps (prompts submitted ahead), saving wake/sleep cycles;
   a batch generated ``j`` steps ahead is ``j`` policy versions stale (≤ max_staleness).
-- ``separate_async``: a producer thread keeps the rollout pool generating into the store up to
-  ``max_staleness`` steps ahead of the trainer; the generate task waits for its step's rows.
+- ``separate_async``: a producer thread runs the generate and score tasks of the coming steps,
+  up to ``max_staleness`` steps ahead of the trainer, on the rollout and reward pools; the
+  training loop waits for its step's scored rows and runs logprobs → advantage → update on the
+  training pool meanwhile. Both threads' tasks belong to the flow run (the producer runs in a
+  copy of the flow's context), so the UI shows generate/score of step k+1 beside update of k.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from pathlib import Path
@@ -28,7 +32,7 @@ from infra.transport import Jagged
 from storage import BatchMeta
 from tasks.advantage.stage import advantage
 from tasks.context import StageContext
-from tasks.generate.stage import _generate_one, generate, prompt_token_ids, submit_prompts
+from tasks.generate.stage import generate, prompt_token_ids, submit_prompts
 from tasks.kl import AdaptiveKLController, FixedKLController
 from tasks.logprobs.stage import logprobs
 from tasks.logprobs.stage import writes as logprob_writes
@@ -91,6 +95,7 @@ class Trainer:
             for name, fn in STAGES.items()
         }
         self.submitted: dict[int, BatchMeta] = {}
+        self.produced: dict[int, BatchMeta] = {}  # separate_async: generated and scored
         self.submit_lock = threading.Condition()
         self.version = 0
         self.start_step = 0
@@ -156,25 +161,28 @@ class Trainer:
                 self.submit_lock.notify_all()
             return self.submitted[step]
 
-    def wait_submitted(self, step: int) -> BatchMeta:
+    def wait_produced(self, step: int) -> BatchMeta:
+        """separate_async: the step's generated and scored partition, once the producer has it.
+        A producer failure is raised at once; no rows within ``store.get_timeout_s`` is a
+        TimeoutError naming the step."""
         deadline = time.monotonic() + self.ctx.get_timeout
         with self.submit_lock:
-            while step not in self.submitted:
+            while step not in self.produced:
+                if self.producer_error is not None:
+                    raise RuntimeError(
+                        f"no rollout for step {step}: the producer failed: {self.producer_error!r}"
+                    ) from self.producer_error
                 left = deadline - time.monotonic()
-                if left <= 0 or self.producer_error is not None:
+                if left <= 0:
                     raise TimeoutError(
-                        f"no rollout for step {step} within store.get_timeout_s={self.ctx.get_timeout:.0f} s"
-                        + (
-                            f": the producer failed: {self.producer_error!r}"
-                            if self.producer_error
-                            else ""
-                        )
+                        f"no rollout for step {step} within store.get_timeout_s="
+                        f"{self.ctx.get_timeout:.0f} s"
                     )
                 self.submit_lock.wait(left)
-            return self.submitted[step]
+            return self.produced.pop(step)
 
     def _produce(self, first: int, stop: threading.Event) -> None:
-        """separate_async: keep the rollout pool generating up to max_staleness steps ahead."""
+        """separate_async: run the generate and score tasks up to max_staleness steps ahead."""
         step = first
         try:
             while not stop.is_set() and step < self.cfg.trainer.total_steps:
@@ -187,18 +195,24 @@ class Trainer:
                 if stop.is_set():
                     return
                 meta = self.submit(step)
-                _generate_one(self.ctx, meta, step)
+                t0 = time.perf_counter()
+                meta = self.stages["generate"](self.ctx, [meta], step)[0]
+                t1 = time.perf_counter()
+                meta = self.stages["score"](self.ctx, meta, step)
+                seconds = {"timing_s/generate": t1 - t0, "timing_s/score": time.perf_counter() - t1}
+                self.ctx.record(step, seconds)
+                with self.submit_lock:
+                    self.produced[step] = meta
+                    self.submit_lock.notify_all()
                 step += 1
-        except BaseException as exc:  # surfaced by wait_submitted / the generate task
+        except BaseException as exc:  # raised in the training loop by wait_produced
             self.producer_error = exc
             with self.submit_lock:
                 self.submit_lock.notify_all()
 
     def metas_for(self, step: int) -> list[BatchMeta]:
-        """The partitions the generate task should fill at ``step``."""
+        """The partitions the generate task should fill at ``step`` (sync, colocate_async)."""
         mode = self.cfg.resources.mode
-        if mode == "separate_async":
-            return [self.wait_submitted(step)]
         ahead = self.cfg.resources.max_staleness if mode == "colocate_async" else 0
         last = min(step + ahead, self.cfg.trainer.total_steps - 1)
         if step in self.submitted:
@@ -216,15 +230,18 @@ class Trainer:
             timing[f"timing_s/{name}"] = time.perf_counter() - t0
             return out
 
-        # 1. generate (possibly several partitions ahead), then wait for this step's rows.
-        meta = run("generate", self.metas_for(step))[0]
+        # 1.-2. generate (possibly several partitions ahead) and score; separate_async: the
+        # producer thread has run both (see _produce), wait for its scored rows.
         if self.cfg.resources.mode == "separate_async":
-            self.ctx.store.kv_batch_get(
-                list(meta.keys), meta.partition_id, ["response_ids"], timeout=self.ctx.get_timeout
-            )
-        self._check_staleness(meta, step)
-        # 2.-5. score → logprobs/values → advantage → update.
-        meta = run("score", meta)
+            t0 = time.perf_counter()
+            meta = self.wait_produced(step)
+            timing["timing_s/wait_rollout"] = time.perf_counter() - t0
+            self._check_staleness(meta, step)
+        else:
+            meta = run("generate", self.metas_for(step))[0]
+            self._check_staleness(meta, step)
+            meta = run("score", meta)
+        # 3.-5. logprobs/values → advantage → update.
         if logprob_writes(self.ctx):  # nothing to compute: one on-policy step, no ref or critic
             meta = run("logprobs", meta)
         meta = run("advantage", meta)
@@ -296,8 +313,11 @@ class Trainer:
         stop = threading.Event()
         producer = None
         if cfg.resources.mode == "separate_async":
-            producer = threading.Thread(
-                target=self._produce, args=(first, stop), daemon=True, name="rollout-producer"
+            producer = threading.Thread(  # in the flow run's context: its tasks belong to it
+                target=contextvars.copy_context().run,
+                args=(self._produce, first, stop),
+                daemon=True,
+                name="rollout-producer",
             )
             producer.start()
         t0 = time.perf_counter()

@@ -131,14 +131,17 @@ class AlgorithmConfig(_Section):
     )
     kl: KLConfig = Field(default_factory=KLConfig)
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus in the actor loss.")
-    old_logprobs: Literal["auto", "recompute"] = Field(
+    old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
         "auto",
         description=(
             "'recompute': a forward pass of the actor before the update gives old_logprobs. "
             "'auto': skip it when the update is one on-policy optimizer step per batch (mode "
             "sync, one PPO epoch, one mini-batch, no KL in the reward); the update then takes "
             "the detached log-probs of its own forward pass as old_logprobs, which are the same "
-            "numbers (the weights have not changed yet)."
+            "numbers (the weights have not changed yet); otherwise recompute. 'rollout': the "
+            "rollout engine's log-probs of the sampled tokens (the behaviour policy that made "
+            "the batch, at the sampling temperature) are old_logprobs: no recompute pass, and in "
+            "the async modes the ratio is taken against the policy that really sampled."
         ),
     )
 
@@ -291,15 +294,22 @@ class TrainConfig(_Section):
         return self.rollout.prompts_per_step * self.rollout.n
 
     @property
-    def recompute_old_logprobs(self) -> bool:
-        """Whether the logprobs stage computes ``old_logprobs`` (see ``algorithm.old_logprobs``)."""
+    def old_logprobs_field(self) -> str | None:
+        """The stored field the update takes as old log-probs (see ``algorithm.old_logprobs``):
+        ``old_logprobs`` (recomputed by the logprobs stage), ``rollout_logprobs`` (the rollout
+        engine's), or None (the update's own first forward pass, detached)."""
+        if self.algorithm.old_logprobs == "rollout":
+            return "rollout_logprobs"
         one_step = self.actor.ppo_epochs == 1 and self.actor.mini_batch_size >= self.batch_size
         on_policy = self.resources.mode == "sync" and one_step
-        return (
-            self.algorithm.old_logprobs == "recompute"
-            or self.algorithm.kl.in_reward
-            or not on_policy
-        )
+        if self.algorithm.old_logprobs == "recompute" or self.algorithm.kl.in_reward:
+            return "old_logprobs"
+        return None if on_policy else "old_logprobs"
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the logprobs stage computes ``old_logprobs`` (see ``algorithm.old_logprobs``)."""
+        return self.old_logprobs_field == "old_logprobs"
 
     @property
     def resolved_run_dir(self) -> Path:

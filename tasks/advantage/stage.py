@@ -24,12 +24,13 @@ from tasks.score.core import lengths_to_mask, place_scores
 WRITES = ("response_mask", "token_rewards", "advantages", "returns")
 
 
-def reads(algo: AlgorithmConfig, *, old_logprobs: bool = True) -> tuple[str, ...]:
-    """What the stage reads; without ``old_logprobs`` the update logs actor/kl_to_ref itself."""
-    with_kl = old_logprobs and algo.use_reference
+def reads(algo: AlgorithmConfig, *, old_logprobs: str | None = "old_logprobs") -> tuple[str, ...]:
+    """What the stage reads; ``old_logprobs`` names the policy's log-probs field
+    (``TrainConfig.old_logprobs_field``); without one the update logs actor/kl_to_ref itself."""
+    with_kl = old_logprobs is not None and algo.use_reference
     return (
         ("response_ids", "scores", "group_ids")
-        + (("old_logprobs", "ref_logprobs") if with_kl else ())
+        + ((old_logprobs, "ref_logprobs") if with_kl and old_logprobs else ())
         + (("values",) if algo.use_critic else ())
     )
 
@@ -92,9 +93,10 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
         "response_mask": lengths_to_mask(lengths, width),  # (B, T)
     }
     d["token_rewards"] = place_scores(d["scores"], lengths, width)  # (B, T)
-    if "old_logprobs" in data and "ref_logprobs" in data:  # else the update logs the KL
+    policy = data.get(ctx.cfg.old_logprobs_field or "old_logprobs")  # the policy's log-probs
+    if policy is not None and "ref_logprobs" in data:  # else the update logs the KL
         kl_ref = kl_penalty(
-            logprobs=data["old_logprobs"].padded(width=width).float(),
+            logprobs=policy.padded(width=width).float(),
             ref_logprobs=data["ref_logprobs"].padded(width=width).float(),
             kind="k1",
         )  # (B, T)
@@ -106,7 +108,7 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
         assert ctx.kl_controller is not None
         d["token_rewards"], kl_mean = apply_kl_penalty(
             token_rewards=d["token_rewards"],
-            logprobs=data["old_logprobs"].padded(width=width).float(),
+            logprobs=policy.padded(width=width).float(),
             ref_logprobs=data["ref_logprobs"].padded(width=width).float(),
             response_mask=d["response_mask"],
             coef=ctx.kl_controller.value,
@@ -139,7 +141,7 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
 @task(name="advantage", cache_policy=NO_CACHE, task_run_name="advantage[step={step}]")
 def advantage(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     # 1. Read, 2. compute, 3. write back unpadded rows.
-    data = read(ctx, meta, reads(ctx.cfg.algorithm, old_logprobs=ctx.cfg.recompute_old_logprobs))
+    data = read(ctx, meta, reads(ctx.cfg.algorithm, old_logprobs=ctx.cfg.old_logprobs_field))
     d = compute(ctx, data, step)
     lengths = data["response_ids"].lengths
     return write(ctx, meta, {name: Jagged.from_rows(unpad(d[name], lengths)) for name in WRITES})

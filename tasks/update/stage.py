@@ -8,6 +8,8 @@ rollout has its own pool).
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -20,16 +22,28 @@ BASE_READS = ("prompt_ids", "response_ids", "advantages")
 
 
 def reads(ctx: StageContext) -> tuple[str, ...]:
-    """Without recomputed ``old_logprobs`` the update uses its own first forward pass instead,
-    and logs actor/kl_to_ref from it when a reference is held."""
-    algo, recompute = ctx.cfg.algorithm, ctx.cfg.recompute_old_logprobs
-    with_ref = algo.kl.loss_coef > 0 or (algo.use_reference and not recompute)
+    """The old log-probs come from ``TrainConfig.old_logprobs_field``; without one the update
+    uses its own first forward pass instead, and logs actor/kl_to_ref from it when a reference
+    is held."""
+    algo, old = ctx.cfg.algorithm, ctx.cfg.old_logprobs_field
+    with_ref = algo.kl.loss_coef > 0 or (algo.use_reference and old is None)
     return (
         BASE_READS
-        + (("old_logprobs",) if recompute else ())
+        + ((old,) if old else ())
         + (("ref_logprobs",) if with_ref else ())
         + (("values", "returns") if algo.use_critic else ())
     )
+
+
+def update_fields(ctx: StageContext, data: Any) -> dict[str, Any]:
+    """The per-sample fields the workers' update takes, by the names it takes them under: the
+    configured old log-probs field (``TrainConfig.old_logprobs_field``) as ``old_logprobs``."""
+    old = ctx.cfg.old_logprobs_field
+    return {
+        ("old_logprobs" if name == old else name): data[name]
+        for name in reads(ctx)
+        if name not in ("prompt_ids", "response_ids")
+    }
 
 
 def sync_rollout_weights(ctx: StageContext) -> None:
@@ -44,10 +58,9 @@ def sync_rollout_weights(ctx: StageContext) -> None:
 @task(name="update", cache_policy=NO_CACHE, task_run_name="update[step={step}]")
 def update(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     # 1. Read.
-    names = reads(ctx)
-    data = read(ctx, meta, names)
+    data = read(ctx, meta, reads(ctx))
     prompts, responses = data["prompt_ids"], data["response_ids"]
-    fields = {k: data[k] for k in names if k not in ("prompt_ids", "response_ids")}
+    fields = update_fields(ctx, data)
     # 2. Update on every worker with its shard (workers normalise by global counts themselves).
     group = ctx.train_group
     shards = [

@@ -132,3 +132,64 @@ def test_one_on_policy_step_without_reference_skips_the_logprobs_task(
         f"run_dir={tmp_path / 'recompute'}",
     )
     assert "logprobs[step=0]" in _task_run_names(flow_run_id, {"logprobs[step=0]"})
+
+
+def test_separate_async_producer_runs_generate_and_score_as_tasks_of_the_flow_run(
+    prefect_harness, ray_local, tiny_overrides
+) -> None:
+    """The producer thread's generate and score tasks belong to the flow run (the UI shows
+    them beside the trainer's tasks), their seconds reach the metrics, and with
+    old_logprobs=rollout and no reference there is no logprobs task at all."""
+    cfg, summary, flow_run_id = _run(
+        tiny_overrides,
+        "resources.mode=separate_async",
+        "reward.pool=own",
+        "algorithm.old_logprobs=rollout",
+        "algorithm.kl.monitor=false",
+        "trainer.total_steps=3",
+    )
+    rows = [
+        json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("timing_s/generate", "timing_s/score", "timing_s/wait_rollout", "actor/pg_loss"):
+        assert all(key in r for r in rows), key
+    assert max(r["rollout/staleness"] for r in rows) <= cfg.resources.max_staleness
+    expected = {
+        f"{s}[step={k}]" for s in ("generate", "score", "advantage", "update") for k in (0, 1, 2)
+    }
+    names = _task_run_names(flow_run_id, expected)
+    assert expected <= names, sorted(expected - names)
+    assert not any(n.startswith("logprobs[") for n in names), sorted(names)
+
+
+def test_separate_async_producer_failure_fails_the_run_at_once_naming_it(
+    prefect_harness, ray_local, tiny_overrides, assets, tmp_path
+) -> None:
+    """A reward model that returns NaN fails the producer's score task; the training loop
+    raises that failure instead of waiting out store.get_timeout_s."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from flows.train import ppo_train
+
+    broken = AutoModelForSequenceClassification.from_pretrained(assets.reward_model)
+    with torch.no_grad():
+        for p in broken.score.parameters():
+            p.fill_(float("nan"))
+    broken.save_pretrained(tmp_path / "nan-rm")
+    AutoTokenizer.from_pretrained(assets.reward_model).save_pretrained(tmp_path / "nan-rm")
+    cfg = load_config(
+        CONFIGS / "tiny.yaml",
+        [
+            *tiny_overrides,
+            "resources.mode=separate_async",
+            "reward.pool=own",
+            f"models.reward_model={tmp_path / 'nan-rm'}",
+            "orchestration.retries=0",
+            "store.get_timeout_s=600",
+        ],
+    )
+    state = ppo_train(cfg, return_state=True)
+    assert state.is_failed()
+    assert "producer failed" in state.message and "non-finite" in state.message, state.message

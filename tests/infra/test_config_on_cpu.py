@@ -85,3 +85,34 @@ def test_old_logprobs_are_recomputed_only_when_the_update_is_not_one_on_policy_s
     overrides: list[str], recompute: bool
 ) -> None:
     assert load_config(None, overrides).recompute_old_logprobs is recompute
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["resources.mode=colocate_async"],
+        ["algorithm.estimator=gae", "algorithm.kl.in_reward=true", "algorithm.kl.coef=0.1"],
+    ],
+)
+def test_rollout_old_logprobs_replace_the_recompute_pass_in_every_reader(
+    overrides: list[str],
+) -> None:
+    """old_logprobs=rollout: the logprobs stage never computes old_logprobs; the update (as
+    its old policy) and the in-reward KL read the rollout engine's log-probs instead."""
+    from tasks.advantage.stage import reads as advantage_reads
+    from tasks.context import StageContext
+    from tasks.logprobs.stage import writes as logprob_writes
+    from tasks.update.stage import reads as update_reads
+    from tasks.update.stage import update_fields
+
+    cfg = load_config(None, [*overrides, "algorithm.old_logprobs=rollout"])
+    ctx = StageContext(cfg=cfg, store=None, tokenizer=None, train_group=None)
+    assert cfg.old_logprobs_field == "rollout_logprobs" and not cfg.recompute_old_logprobs
+    assert "old_logprobs" not in logprob_writes(ctx)
+    assert "rollout_logprobs" in update_reads(ctx) and "old_logprobs" not in update_reads(ctx)
+    data = {name: name for name in update_reads(ctx)}
+    fields = update_fields(ctx, data)
+    assert fields["old_logprobs"] == "rollout_logprobs" and "rollout_logprobs" not in fields
+    kl = advantage_reads(cfg.algorithm, old_logprobs=cfg.old_logprobs_field)
+    assert ("rollout_logprobs" in kl) is cfg.algorithm.use_reference
