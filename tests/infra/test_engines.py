@@ -221,3 +221,31 @@ def test_cuda_sleep_releases_memory_and_wake_restores(tiny_assets, prompts):
     assert all(torch.equal(before[k], after[k].cpu()) for k in before)
     again = engine.generate(prompts, n=2, max_new_tokens=8, seed=1)
     assert all(torch.equal(a, b) for a, b in zip(reference.response_ids, again.response_ids))
+
+
+def test_growing_cache_layer_holds_what_transformers_layer_holds():
+    """Prefill, repeat per sample, decode past the first capacity, drop rows, crop: after every
+    operation the in-place layer holds exactly the concatenating layer's keys and values."""
+    from transformers.cache_utils import DynamicLayer
+
+    from infra.engines.hf import GrowingLayer
+
+    torch.manual_seed(0)
+    ours, theirs = GrowingLayer(), DynamicLayer()
+
+    def step(length: int, batch: int) -> None:
+        k, v = torch.randn(batch, 2, length, 8), torch.randn(batch, 2, length, 8)
+        got, want = ours.update(k, v), theirs.update(k, v)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+
+    step(5, 3)  # prefill
+    ours.batch_repeat_interleave(2), theirs.batch_repeat_interleave(2)
+    for _ in range(70):  # past the first capacity (64): the buffer grows
+        step(1, 6)
+    keep = torch.tensor([0, 2, 5])
+    ours.batch_select_indices(keep), theirs.batch_select_indices(keep)
+    step(1, 3)
+    ours.crop(-4), theirs.crop(-4)
+    step(2, 3)
+    assert ours.get_seq_length() == theirs.get_seq_length() == 5 + 70 + 1 - 4 + 2
