@@ -7,7 +7,8 @@ lengths and re-tokenises with the RM's own chat template when its tokenizer diff
 ``rm_scores`` (jagged: the RM score on the last real response token; an empty response has an
 empty row, never a score at index -1). A NaN/inf score fails the stage naming the keys, and
 nothing is written. The reward model sleeps again whatever happens (the worker's wake/sleep
-context).
+context). Rows already scored (a partition checkpointed in flight by ``separate_async``'s
+producer, then resumed) are not scored again.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def rule_scores(ctx: StageContext, responses: Jagged, ground_truth: list[object]
 
 @task(name="score", cache_policy=NO_CACHE, task_run_name="score[step={step}]")
 def score(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
+    # 0. Scored before a restart (a partition checkpointed in flight): nothing to redo.
+    done = ctx.store.kv_list(meta.partition_id)
+    if meta.keys and all(set(WRITES) <= set(done.get(k, ())) for k in meta.keys):
+        return meta.with_fields(*WRITES)
     # 1. Read the declared fields.
     data = read(ctx, meta, READS)
     prompts, responses = data["prompt_ids"], data["response_ids"]

@@ -1,0 +1,38 @@
+"""The score task's resume path: rows already scored are not scored again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infra.config import load_config
+from storage import BatchMeta, StoreTimeout, open_store
+from tasks.context import StageContext
+from tasks.score.stage import WRITES, score
+
+
+def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
+    store = open_store("memory://")
+    keys, partition = ["u1/0", "u1/1"], "train/step-000003"
+    scored = {
+        "scores": torch.tensor([0.5, -0.5]),
+        "rule_scores": torch.tensor([1.0, 0.0]),
+        "rm_scores": [torch.tensor([0.0, 0.5]), torch.tensor([-0.5])],
+    }
+    store.kv_batch_put(keys, partition, scored)
+    # No reward workers at all: scoring again would fail on them.
+    ctx = StageContext(
+        cfg=load_config(None, ["store.get_timeout_s=0.1"]),
+        store=store,
+        tokenizer=None,
+        train_group=None,
+    )
+    meta = BatchMeta(partition_id=partition, keys=tuple(keys), fields=())
+    out = score.fn(ctx, meta, 3)
+    assert set(WRITES) <= set(out.fields)
+    assert not ctx.metrics  # nothing recomputed, nothing recorded
+    # One key without scores: the task goes on to read the inputs (and waits for them here).
+    store.kv_batch_put(["u2/0"], partition, {"prompt_ids": [torch.tensor([1, 2])]})
+    partial = BatchMeta(partition_id=partition, keys=(*keys, "u2/0"), fields=())
+    with pytest.raises(StoreTimeout, match="response_ids"):
+        score.fn(ctx, partial, 3)
