@@ -27,10 +27,9 @@ WRITES = ("response_mask", "token_rewards", "advantages", "returns")
 def reads(algo: AlgorithmConfig, *, old_logprobs: str | None = "old_logprobs") -> tuple[str, ...]:
     """What the stage reads; ``old_logprobs`` names the policy's log-probs field
     (``TrainConfig.old_logprobs_field``); without one the update logs actor/kl_to_ref itself."""
-    with_kl = old_logprobs is not None and algo.use_reference
     return (
         ("response_ids", "scores", "group_ids")
-        + ((old_logprobs, "ref_logprobs") if with_kl and old_logprobs else ())
+        + ((old_logprobs, "ref_logprobs") if old_logprobs and algo.use_reference else ())
         + (("values",) if algo.use_critic else ())
     )
 
@@ -93,7 +92,8 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
         "response_mask": lengths_to_mask(lengths, width),  # (B, T)
     }
     d["token_rewards"] = place_scores(d["scores"], lengths, width)  # (B, T)
-    policy = data.get(ctx.cfg.old_logprobs_field or "old_logprobs")  # the policy's log-probs
+    field = ctx.cfg.old_logprobs_field  # the policy's log-probs, when the stage reads them
+    policy = data.get(field) if field is not None else None
     if policy is not None and "ref_logprobs" in data:  # else the update logs the KL
         kl_ref = kl_penalty(
             logprobs=policy.padded(width=width).float(),
@@ -106,6 +106,7 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
         )
     if algo.kl.in_reward:
         assert ctx.kl_controller is not None
+        assert policy is not None  # kl.in_reward always has a policy log-probs field to read
         d["token_rewards"], kl_mean = apply_kl_penalty(
             token_rewards=d["token_rewards"],
             logprobs=policy.padded(width=width).float(),
