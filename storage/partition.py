@@ -45,7 +45,12 @@ class Located:
         Only for handing straight to a serializer: the result may share a stored chunk's memory.
         """
         rows = self.rows
-        one_run = len(self.chunks) == 1 and rows.size > 0 and bool(np.all(np.diff(rows) == 1))
+        one_run = (
+            len(self.chunks) == 1
+            and rows.size > 0
+            and int(rows[-1]) - int(rows[0]) == rows.size - 1  # cheap test first
+            and bool((rows[1:] > rows[:-1]).all())  # keys are distinct: increasing = one run
+        )
         if one_run:
             return self.chunks[0].slice(int(rows[0]), int(rows[-1]) + 1)
         return self.column()
@@ -99,6 +104,8 @@ class FieldIndex:
         self.row_of = np.concatenate([self.row_of, np.zeros(new - old, np.int64)])
 
     def present(self, ids: IntArray) -> BoolArray:
+        if ids.size and ids.min() >= 0 and ids.max() < self.chunk_of.size:  # every key known
+            return np.asarray(self.chunk_of[ids] >= 0, np.bool_)
         known = (ids >= 0) & (ids < self.chunk_of.size)
         out = np.zeros(ids.size, np.bool_)
         out[known] = self.chunk_of[ids[known]] >= 0

@@ -2,15 +2,17 @@
 
 The class is plain Python (the client wraps it with `ray.remote`), and this module imports
 neither tensordict nor, at import time, Ray, so a shard worker starts with torch and numpy only.
-A shard answers two ways, on one asyncio loop and so on the same state:
+A shard answers two ways, on the same state (guarded by one `threading.Condition`):
 
-- Ray method calls, whose data are `storage.wire` messages in Ray's object store (any node);
-- requests on its Unix socket (`storage.channel`, started by the first `config` call), whose
-  column bytes sit in the connection's shared-memory arena (`storage.shm`): clients on its node.
+- Ray method calls on the actor's event loop, whose data are `storage.wire` messages in Ray's
+  object store (any node);
+- requests on its Unix socket (`storage.channel`, started by the first `config` call), each
+  connection served by a thread of its own, whose column bytes sit in the connection's
+  shared-memory arena (`storage.shm`): clients on its node.
 
-Store errors travel as error headers and are re-raised typed by the client. A get waits on an
-asyncio.Condition that every commit notifies; a staged (prepared) put holds its own copy of the
-rows, since the arena it came in is reused by the next request.
+Store errors travel as error headers and are re-raised typed by the client. A get waits on the
+condition, which every commit notifies; a staged (prepared) put holds its own copy of the rows,
+since the arena it came in is reused by the next request.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import contextlib
 import ctypes
 import json
 import os
+import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,12 +113,6 @@ def _missing(found: Found) -> Header:
     }
 
 
-def _detached(plan: PutPlan) -> PutPlan:
-    """The plan holding its own copies of the rows (its columns may view a reused arena)."""
-    writes = {name: (rows, column.copy()) for name, (rows, column) in plan.writes.items()}
-    return PutPlan(plan.partition_id, plan.keys, plan.new_specs, writes)
-
-
 @dataclass
 class _Staged:
     """A prepared, uncommitted change of a shard."""
@@ -126,53 +123,55 @@ class _Staged:
 
 
 class StoreShard:
-    """One shard: the partitions of the keys that hash to it (a Ray async actor)."""
+    """One shard: the partitions of the keys that hash to it (a Ray async actor).
+
+    Its state is guarded by one `threading.Condition`, taken by the Ray methods (on the actor's
+    event loop) and by the local connections' threads alike, and notified by every commit. Hold
+    it only to plan, apply or locate: copying rows out happens after it is released (stored
+    chunks are immutable). A get that has to wait does so on the condition in a thread (a local
+    connection's own, or an executor thread for a Ray call), never on the event loop.
+    """
 
     def __init__(self, store: str, index: int, shards: int, owner: str) -> None:
         self._config = {"store": store, "index": index, "shards": shards, "owner": owner}
         self._parts: dict[str, Partition] = {}
         self._staged: dict[str, _Staged] = {}
-        self._cond = asyncio.Condition()
-        self._server: Server | None = None
         self._counts: Counter[str] = Counter()  # requests by verb and transport, for tests
+        self._changed = threading.Condition()  # guards the three above; notified by commits
+        self._server: Server | None = None
         _keep_freed_memory()
 
     async def config(self) -> bytes:
         """Store name, index, shard count, owner token, node id, and the local socket (or None)."""
         if self._server is None and shm.available():
             with contextlib.suppress(OSError):  # no local path: clients use Ray calls
-                self._server = await serve(new_address(), self._serve_local)
+                self._server = serve(new_address(), self._serve_local)
         address = self._server.address if self._server else None
         return json.dumps({**self._config, "node": _node_id(), "socket": address}).encode()
 
     async def stats(self) -> bytes:
         """Requests served per verb and transport, open local connections, and this process."""
         connections = self._server.connections if self._server else 0
-        stats = {"counts": self._counts, "connections": connections, "pid": os.getpid()}
-        return json.dumps(stats).encode()
+        with self._changed:
+            counts = dict(self._counts)
+        return json.dumps(
+            {"counts": counts, "connections": connections, "pid": os.getpid()}
+        ).encode()
 
-    async def _notify(self) -> None:
-        async with self._cond:
-            self._cond.notify_all()
+    def _count(self, what: str) -> None:
+        with self._changed:
+            self._counts[what] += 1
 
     # -- puts ---------------------------------------------------------------------------------
 
     def _plan(
         self, partition_id: str, keys: list[str], columns: dict[str, Column], overwrite: bool
     ) -> PutPlan:
+        """Validates a put against the stored and the staged state (under `_changed`)."""
         part = self._parts.get(partition_id) or Partition(partition_id)
         plan = part.plan_put(keys, columns, overwrite)
         self._check_staged(plan)
         return plan
-
-    def _plan_message(
-        self, partition_id: str, keys: bytes, rows: IntArray, payload: Message, overwrite: bool
-    ) -> PutPlan:
-        """The plan of this shard's rows of a batch in the object store (copied out of it)."""
-        header, arrays = open_message(payload)
-        columns = unpack_columns(header["fields"], arrays)
-        mine = {name: column.take(rows) for name, column in columns.items()}
-        return self._plan(partition_id, json.loads(keys), mine, overwrite)
 
     def _check_staged(self, plan: PutPlan) -> None:
         now = time.monotonic()
@@ -195,29 +194,51 @@ class StoreShard:
                         f"fixing it as {other.new_specs[name].describe()}, got {spec.describe()}"
                     )
 
-    async def _apply_now(self, plan: PutPlan) -> None:
-        """Stores a plan (copying what it keeps) and wakes waiting gets."""
-        self._parts.setdefault(plan.partition_id, Partition(plan.partition_id)).apply(plan)
-        await self._notify()
+    def _put_now(
+        self, partition_id: str, keys: list[str], columns: dict[str, Column], overwrite: bool
+    ) -> None:
+        """Validates and stores a one-shard put (copying what it keeps); wakes waiting gets."""
+        with self._changed:
+            plan = self._plan(partition_id, keys, columns, overwrite)
+            self._parts.setdefault(partition_id, Partition(partition_id)).apply(plan)
+            self._changed.notify_all()
 
-    def _stage(self, txn: str, plan: PutPlan, ttl: float) -> None:
-        parts = self._parts
+    def _prepare_now(
+        self,
+        txn: str,
+        partition_id: str,
+        keys: list[str],
+        columns: dict[str, Column],
+        overwrite: bool,
+        ttl: float,
+    ) -> None:
+        """Validates this shard's part of a multi-shard put and stages it for `commit`."""
+        with self._changed:
+            plan = self._plan(partition_id, keys, columns, overwrite)
+            parts = self._parts
 
-        def apply() -> None:
-            parts.setdefault(plan.partition_id, Partition(plan.partition_id)).apply(plan)
+            def apply() -> None:
+                parts.setdefault(plan.partition_id, Partition(plan.partition_id)).apply(plan)
 
-        self._staged[txn] = _Staged(apply, time.monotonic() + ttl, plan)
+            self._staged[txn] = _Staged(apply, time.monotonic() + ttl, plan)
+
+    @staticmethod
+    def _message_columns(payload: Message, rows: IntArray) -> dict[str, Column]:
+        """This shard's rows of a batch in the object store (copied out of it)."""
+        header, arrays = open_message(payload)
+        columns = unpack_columns(header["fields"], arrays)
+        return {name: column.take(rows) for name, column in columns.items()}
 
     async def put(
         self, partition_id: str, keys: bytes, rows: IntArray, payload: Message, overwrite: bool
     ) -> Message:
         """A one-shard put: validate and apply at once."""
-        self._counts["put:object_store"] += 1
+        self._count("put:object_store")
         try:
-            plan = self._plan_message(partition_id, keys, rows, payload, overwrite)
+            columns = self._message_columns(payload, rows)
+            self._put_now(partition_id, json.loads(keys), columns, overwrite)
         except StoreError as exc:
             return error_message(exc)
-        await self._apply_now(plan)
         return message({"ok": True})
 
     async def prepare(
@@ -231,12 +252,12 @@ class StoreShard:
         ttl: float,
     ) -> Message:
         """Validates and stages this shard's rows of a multi-shard put."""
-        self._counts["prepare:object_store"] += 1
+        self._count("prepare:object_store")
         try:
-            plan = self._plan_message(partition_id, keys, rows, payload, overwrite)
+            columns = self._message_columns(payload, rows)
+            self._prepare_now(txn, partition_id, json.loads(keys), columns, overwrite, ttl)
         except StoreError as exc:
             return error_message(exc)
-        self._stage(txn, plan, ttl)
         return message({"ok": True})
 
     async def stage_import(self, txn: str, payload: Message, replace: bool, ttl: float) -> Message:
@@ -244,70 +265,84 @@ class StoreShard:
         try:
             header, arrays = open_message(payload)
             restored = [Partition.restore(dump_from(h, arrays)) for h in header["dumps"]]
-            taken = [p.partition_id for p in restored if p.partition_id in self._parts]
-            if taken and not replace:
-                raise StoreError(
-                    f"partitions {preview(taken)} already exist; kv_clear them first or load "
-                    "with replace=True"
+            with self._changed:
+                taken = [p.partition_id for p in restored if p.partition_id in self._parts]
+                if taken and not replace:
+                    raise StoreError(
+                        f"partitions {preview(taken)} already exist; kv_clear them first or load "
+                        "with replace=True"
+                    )
+                self._staged[txn] = _Staged(
+                    lambda: self._parts.update({p.partition_id: p for p in restored}),
+                    time.monotonic() + ttl,
                 )
         except StoreError as exc:
             return error_message(exc)
-        self._staged[txn] = _Staged(
-            lambda: self._parts.update({p.partition_id: p for p in restored}),
-            time.monotonic() + ttl,
-        )
         return message({"ok": True})
 
     async def stage_declare(self, txn: str, partition_id: str, specs: bytes, ttl: float) -> Message:
         """Validates and stages a declaration of field specs."""
         try:
             parsed = {name: FieldSpec.from_json(s) for name, s in json.loads(specs).items()}
-            (self._parts.get(partition_id) or Partition(partition_id)).new_specs(parsed)
+            with self._changed:
+                (self._parts.get(partition_id) or Partition(partition_id)).new_specs(parsed)
+
+                def apply() -> None:
+                    self._parts.setdefault(partition_id, Partition(partition_id)).declare(parsed)
+
+                self._staged[txn] = _Staged(apply, time.monotonic() + ttl)
         except StoreError as exc:
             return error_message(exc)
-
-        def apply() -> None:
-            self._parts.setdefault(partition_id, Partition(partition_id)).declare(parsed)
-
-        self._staged[txn] = _Staged(apply, time.monotonic() + ttl)
         return message({"ok": True})
 
     async def commit(self, txn: str) -> Message:
-        return message(await self._commit(txn))
+        return message(self._commit(txn))
 
-    async def _commit(self, txn: str) -> Header:
-        staged = self._staged.pop(txn, None)
-        if staged is None:
-            return error_header(StoreError(f"transaction {txn} expired before its commit; retry"))
-        staged.apply()
-        await self._notify()
+    def _commit(self, txn: str) -> Header:
+        with self._changed:
+            staged = self._staged.pop(txn, None)
+            if staged is None:
+                return error_header(
+                    StoreError(f"transaction {txn} expired before its commit; retry")
+                )
+            staged.apply()
+            self._changed.notify_all()
         return {"ok": True}
 
     async def abort(self, txn: str) -> None:
-        self._staged.pop(txn, None)
+        self._abort(txn)
+
+    def _abort(self, txn: str) -> None:
+        with self._changed:
+            self._staged.pop(txn, None)
 
     # -- gets ---------------------------------------------------------------------------------
 
-    async def _find(
+    def _find(
         self, partition_id: str, keys: list[str], fields: list[str] | None, timeout: float
     ) -> Found:
-        """The keys' fields located, waiting up to `timeout` s for missing ones (then reported)."""
+        """The keys' fields located, waiting up to `timeout` s for missing ones (then reported).
+
+        Blocks the calling thread while it waits: call it with timeout 0 on the event loop.
+        """
         deadline = time.monotonic() + timeout
-        async with self._cond:
+        with self._changed:
             while True:
                 part = self._parts.get(partition_id) or Partition(partition_id)
                 found = part.find(keys, fields)
                 remaining = deadline - time.monotonic()
                 if not found.missing or remaining <= 0:
                     return found
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._cond.wait(), remaining)
+                self._changed.wait(remaining)
 
     async def get(self, partition_id: str, keys: bytes, fields: bytes, timeout: float) -> Message:
         """This shard's rows in key order, waiting up to `timeout` s for missing ones."""
-        self._counts["get:object_store"] += 1
+        self._count("get:object_store")
         try:
-            found = await self._find(partition_id, json.loads(keys), json.loads(fields), timeout)
+            key_list, names = json.loads(keys), json.loads(fields)
+            found = self._find(partition_id, key_list, names, 0)
+            if found.missing and timeout > 0:
+                found = await asyncio.to_thread(self._find, partition_id, key_list, names, timeout)
         except StoreError as exc:
             return error_message(exc)
         if found.missing:
@@ -318,45 +353,50 @@ class StoreShard:
 
     # -- the local socket ---------------------------------------------------------------------
 
-    async def _serve_local(self, request: Header, arena: Arena) -> Header:
-        """Answers one request of a local connection (see `_LOCAL`)."""
+    def _serve_local(self, request: Header, arena: Arena) -> Header:
+        """Answers one request of a local connection (see `_LOCAL`), on that connection's thread."""
         verb = request.get("op")
         handler = _LOCAL.get(verb) if isinstance(verb, str) else None
         try:
             if handler is None:
                 raise StoreError(f"shard {self._config['index']}: unknown request {verb!r}")
-            self._counts[f"{verb}:shm"] += 1
-            return await handler(self, request, arena)
+            self._count(f"{verb}:shm")
+            return handler(self, request, arena)
         except StoreError as exc:
             return error_header(exc)
         except (ArenaError, KeyError, TypeError, ValueError) as exc:
             bad = StoreError(f"shard {self._config['index']}: malformed {verb} request: {exc!r}")
             return error_header(bad)
 
-    def _arena_plan(self, request: Header, arena: Arena) -> PutPlan:
+    @staticmethod
+    def _arena_columns(request: Header, arena: Arena) -> dict[str, Column]:
+        """A request's columns, viewing the connection's arena (valid until its next message)."""
         arena.follow(int(request["arena"]))
-        columns = unpack_columns(request["fields"], arena.read(request["arrays"]))
-        return self._plan(request["partition"], request["keys"], columns, request["overwrite"])
+        return unpack_columns(request["fields"], arena.read(request["arrays"]))
 
-    async def _local_put(self, request: Header, arena: Arena) -> Header:
-        await self._apply_now(self._arena_plan(request, arena))  # apply copies the rows it keeps
+    def _local_put(self, request: Header, arena: Arena) -> Header:
+        columns = self._arena_columns(request, arena)  # apply copies the rows it keeps
+        self._put_now(request["partition"], request["keys"], columns, request["overwrite"])
         return {"ok": True}
 
-    async def _local_prepare(self, request: Header, arena: Arena) -> Header:
-        plan = _detached(self._arena_plan(request, arena))
-        self._stage(request["txn"], plan, float(request["ttl"]))
+    def _local_prepare(self, request: Header, arena: Arena) -> Header:
+        # a staged put outlives this message, so it holds its own copy of the rows
+        columns = {n: c.copy() for n, c in self._arena_columns(request, arena).items()}
+        partition_id, keys, overwrite = request["partition"], request["keys"], request["overwrite"]
+        ttl = float(request["ttl"])
+        self._prepare_now(request["txn"], partition_id, keys, columns, overwrite, ttl)
         return {"ok": True}
 
-    async def _local_commit(self, request: Header, arena: Arena) -> Header:
-        return await self._commit(request["txn"])
+    def _local_commit(self, request: Header, arena: Arena) -> Header:
+        return self._commit(request["txn"])
 
-    async def _local_abort(self, request: Header, arena: Arena) -> Header:
-        self._staged.pop(request["txn"], None)
+    def _local_abort(self, request: Header, arena: Arena) -> Header:
+        self._abort(request["txn"])
         return {"ok": True}
 
-    async def _local_get(self, request: Header, arena: Arena) -> Header:
+    def _local_get(self, request: Header, arena: Arena) -> Header:
         fields, timeout = request["fields"], float(request["timeout"])
-        found = await self._find(request["partition"], request["keys"], fields, timeout)
+        found = self._find(request["partition"], request["keys"], fields, timeout)
         if found.missing:
             return _missing(found)
         arrays: list[Any] = []
@@ -364,32 +404,39 @@ class StoreShard:
         header = {"fields": pack_columns(columns, arrays)}
         return {**header, "arrays": arena.write(arrays), "arena": arena.size}
 
+    # -- the rest -----------------------------------------------------------------------------
+
     async def listing(self, partition_id: str) -> bytes:
-        part = self._parts.get(partition_id)
-        return json.dumps(part.listing() if part else {}).encode()
+        with self._changed:
+            part = self._parts.get(partition_id)
+            return json.dumps(part.listing() if part else {}).encode()
 
     async def clear(self, partition_id: str, keys: bytes | None) -> int:
-        part = self._parts.get(partition_id)
-        if part is None:
-            return 0
-        if keys is None:
-            del self._parts[partition_id]
-            return len(part.key_ids)
-        return part.drop(json.loads(keys))
+        with self._changed:
+            part = self._parts.get(partition_id)
+            if part is None:
+                return 0
+            if keys is None:
+                del self._parts[partition_id]
+                return len(part.key_ids)
+            return part.drop(json.loads(keys))
 
     async def partitions(self) -> bytes:
-        return json.dumps(list(self._parts)).encode()
+        with self._changed:
+            return json.dumps(list(self._parts)).encode()
 
     async def export(self, partition_id: str) -> Message:
-        part = self._parts.get(partition_id)
-        if part is None:
+        with self._changed:
+            part = self._parts.get(partition_id)
+            dump = part.export() if part is not None else None
+        if dump is None:
             return message({"exists": False})
         arrays: list[Any] = []
-        header = dump_header(part.export(), arrays)
+        header = dump_header(dump, arrays)
         return message({"exists": True, "dump": header}, arrays)
 
 
-_LOCAL: dict[str, Callable[[StoreShard, Header, Arena], Awaitable[Header]]] = {
+_LOCAL: dict[str, Callable[[StoreShard, Header, Arena], Header]] = {
     "put": StoreShard._local_put,
     "prepare": StoreShard._local_prepare,
     "commit": StoreShard._local_commit,

@@ -18,6 +18,7 @@ message header.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import socket
@@ -122,7 +123,7 @@ class Arena:
         return arrays
 
     def _view(self, offset: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> AnyArray:
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        nbytes = dtype.itemsize * math.prod(shape)  # plain ints: np.prod costs ~10 us a call
         if nbytes == 0:
             return np.empty(shape, dtype)
         if offset < 0 or offset % _ALIGN or offset + nbytes > self.size:

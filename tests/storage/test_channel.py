@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time
@@ -18,9 +17,14 @@ from storage.shm import Arena
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs memfd and Unix sockets")
 
 
-async def _handle(request: Header, arena: Arena) -> Header:
+_GATE = threading.Event()
+
+
+def _handle(request: Header, arena: Arena) -> Header:
     """Sums the arrays a request put in the arena, after an optional nap."""
-    await asyncio.sleep(request.get("nap", 0))
+    if request.get("gate"):  # blocks until the test opens the gate (or 10 s pass)
+        return {"sum": 0, "echo": request["echo"], "opened": _GATE.wait(10)}
+    time.sleep(request.get("nap", 0))
     arena.follow(request["arena"])
     total = sum(int(array.sum()) for array in arena.read(request["arrays"]))
     return {"sum": total, "echo": request["echo"]}
@@ -28,16 +32,10 @@ async def _handle(request: Header, arena: Arena) -> Header:
 
 @pytest.fixture
 def server() -> Iterator[Server]:
-    """A server on an event loop of its own thread, like a shard's."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    started = asyncio.run_coroutine_threadsafe(serve(new_address(), _handle), loop)
-    server = started.result(timeout=10)
+    """A server on threads of this process, like a shard's."""
+    server = serve(new_address(), _handle)
     yield server
-    asyncio.run_coroutine_threadsafe(server.close(), loop).result(timeout=10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
+    server.close()
 
 
 def _request(conn: Connection, arrays: list[np.ndarray], **header: object) -> Header:
@@ -92,3 +90,27 @@ def test_a_client_that_stops_sending_is_hung_up_on(server: Server) -> None:
     with pytest.raises(ChannelClosed):
         conn.receive(time.monotonic() + 10)
     conn.close()
+
+
+def test_connections_are_served_at_once(server: Server) -> None:
+    """A request that blocks its handler holds only its own connection."""
+    _GATE.clear()
+    slow, fast = Connection(server.address, timeout=10), Connection(server.address, timeout=10)
+    slow.send({"gate": True, "echo": "slow", "arrays": [], "arena": slow.arena.size})
+    assert _request(fast, [np.arange(4)], echo="fast") == {"sum": 6, "echo": "fast"}
+    _GATE.set()  # only now may the slow handler answer: served one by one, it would time out
+    assert slow.receive(time.monotonic() + 30) == {"sum": 0, "echo": "slow", "opened": True}
+    slow.close()
+    fast.close()
+
+
+def test_close_drops_open_connections_and_stops_listening() -> None:
+    server = serve(new_address(), _handle)
+    conn = Connection(server.address, timeout=10)
+    server.close()
+    with pytest.raises(ChannelClosed):
+        conn.receive(time.monotonic() + 10)
+    conn.close()
+    with pytest.raises(OSError):
+        Connection(server.address, timeout=1)
+    _wait_for(lambda: server.connections == 0)
