@@ -19,6 +19,9 @@ Systems, all in one run (medians of repeats, each repeat a fresh partition):
 - raw ray: one packed numpy buffer (both fields' values and offsets) through the object store:
   `ray.put` in the client, and `ray.get` in the client of a buffer another process put
   (a zero-copy view: the floor for any Ray transfer);
+- raw ray get + TensorDict: that get, then the TensorDict a store get returns (both fields as
+  `torch.jagged` nested tensors) built over the fetched buffer without copying it, by the store's
+  own `to_tensordict`: what returning the store's types costs on top of the floor (no put row);
 - transferqueue 0.1.11: runs in its own venv, `benchmarks/.venvs/tq` (built on first use:
   `python3 -m venv`, `pip install torch==2.13.0 numpy`, then `transferqueue==0.1.11`), as a
   subprocess of that venv that prints JSON. If it cannot be installed or run in bounded time,
@@ -178,6 +181,47 @@ def bench_raw_ray(repeats: int, holder: Any) -> Timings:
     return {case: _raw_case(case, repeats, holder) for case in CASES}
 
 
+def _raw_td_case(case: str, repeats: int, holder: Any) -> dict[str, float]:
+    """`_raw_case`'s get, then the store's TensorDict of the batch built over the buffer (no copy)."""
+    import warnings
+
+    import numpy as np
+    import ray
+
+    from storage.columnar import Column
+    from storage.convert import to_tensordict
+    from storage.schema import FieldSpec
+
+    batch = make_batch(case)
+    parts, layout, start = [], [], 0
+    for value in batch["fields"].values():
+        for array in (value.values().numpy(), value.offsets().numpy()):
+            parts.append(array.view(np.uint8))
+            layout.append((start, array.dtype, array.size))
+            start += array.nbytes
+    packed = np.concatenate(parts)
+    specs = [FieldSpec.jagged(value.dtype) for value in batch["fields"].values()]
+    refs = [ray.get(holder.hold_copy.remote(packed), timeout=60)[0] for _ in range(repeats + 2)]
+
+    def get_as_tensordict(i: int) -> float:
+        begin = time.perf_counter()
+        buffer = ray.get(refs[i], timeout=60)
+        views = [np.frombuffer(buffer, dtype, n, offset) for offset, dtype, n in layout]
+        columns = {
+            name: Column(spec, views[2 * j], views[2 * j + 1])
+            for j, (name, spec) in enumerate(zip(FIELDS, specs))
+        }
+        with warnings.catch_warnings():  # Ray's buffers are read-only; torch warns once
+            warnings.simplefilter("ignore")
+            td = to_tensordict(columns, len(batch["lengths"]))
+        elapsed = time.perf_counter() - begin
+        assert td["old_logprobs"].offsets().diff().tolist() == batch["lengths"]
+        return elapsed
+
+    get = median_time(get_as_tensordict, repeats)
+    return {"put": None, "get": get, "bytes": batch["bytes"]}
+
+
 def bench_ray_side(repeats: int) -> dict[str, Timings]:
     """The Ray backend (1 and 2 shards) and raw Ray, driven from a client actor in another process."""
     import ray
@@ -200,6 +244,9 @@ def bench_ray_side(repeats: int) -> dict[str, Timings]:
             out[name] = ray.get(client.store.remote(store.url, repeats), timeout=900)
             store.close()
         out["raw ray"] = ray.get(client.raw.remote(repeats, holder), timeout=900)
+        out["raw ray get + TensorDict"] = ray.get(
+            client.raw_td.remote(repeats, holder), timeout=900
+        )
         return out
     finally:
         ray.shutdown()
@@ -214,6 +261,12 @@ class _Holder:
 
         return [ray.put(np.ones(nbytes, np.uint8))]
 
+    def hold_copy(self, array: Any) -> list[Any]:
+        import numpy as np
+        import ray
+
+        return [ray.put(np.array(array))]
+
 
 class _Client:
     """Runs the Ray-side measurements in a process of its own."""
@@ -226,6 +279,9 @@ class _Client:
 
     def raw(self, repeats: int, holder: Any) -> Timings:
         return bench_raw_ray(repeats, holder)
+
+    def raw_td(self, repeats: int, holder: Any) -> Timings:
+        return {case: _raw_td_case(case, repeats, holder) for case in CASES}
 
 
 # -- TransferQueue in its own venv -----------------------------------------------------------------
@@ -321,6 +377,12 @@ def targets(systems: dict[str, Any]) -> dict[str, Any]:
             if tq:
                 ratio(f"{name} {op} vs TQ on (a), x faster", tq["a"][op] / mine[op], 5)
             ratio(f"{name} {op} vs raw ray on (a), speed ratio", raw[op] / mine[op], 0.7)
+        same_type = systems["raw ray get + TensorDict"]["a"]["get"]
+        ratio(
+            f"{name} get vs raw ray get + TensorDict on (a), speed ratio",
+            same_type / mine["get"],
+            0.7,
+        )
         trip = (raw["put"] + raw["get"]) / (mine["put"] + mine["get"])
         ratio(f"{name} put+get vs raw ray on (a), speed ratio", trip, 0.7)
     for name in ("memcpy bound", "embedded", "ray 2 shards", "ray 1 shard"):
@@ -333,6 +395,10 @@ def targets(systems: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
+def _ms(seconds: float | None) -> str:
+    return f"{'-':>11}" if seconds is None else f"{seconds * 1e3:>11.2f}"
+
+
 def table(systems: dict[str, Any]) -> str:
     lines = [
         f"{'system':<26}" + "".join(f"{c + ' put':>11}{c + ' get':>11}" for c in CASES) + "   (ms)"
@@ -343,9 +409,7 @@ def table(systems: dict[str, Any]) -> str:
                 lines.append(f"{name:<26}unavailable: {timings['reason'][:120]}")
                 continue
             timings = timings["timings"]
-        cells = "".join(
-            f"{timings[c]['put'] * 1e3:>11.2f}{timings[c]['get'] * 1e3:>11.2f}" for c in CASES
-        )
+        cells = "".join(f"{_ms(timings[c]['put'])}{_ms(timings[c]['get'])}" for c in CASES)
         lines.append(f"{name:<26}{cells}")
     return "\n".join(lines)
 

@@ -113,6 +113,11 @@ def _missing(found: Found) -> Header:
     }
 
 
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 @dataclass
 class _Staged:
     """A prepared, uncommitted change of a shard."""
@@ -128,8 +133,9 @@ class StoreShard:
     Its state is guarded by one `threading.Condition`, taken by the Ray methods (on the actor's
     event loop) and by the local connections' threads alike, and notified by every commit. Hold
     it only to plan, apply or locate: copying rows out happens after it is released (stored
-    chunks are immutable). A get that has to wait does so on the condition in a thread (a local
-    connection's own, or an executor thread for a Ray call), never on the event loop.
+    chunks are immutable). A get that has to wait does so on the condition in its local
+    connection's thread, or, for a Ray call, on a future that the next commit resolves: the event
+    loop never blocks on a wait.
     """
 
     def __init__(self, store: str, index: int, shards: int, owner: str) -> None:
@@ -137,7 +143,8 @@ class StoreShard:
         self._parts: dict[str, Partition] = {}
         self._staged: dict[str, _Staged] = {}
         self._counts: Counter[str] = Counter()  # requests by verb and transport, for tests
-        self._changed = threading.Condition()  # guards the three above; notified by commits
+        self._changed = threading.Condition()  # guards the three above and _waiting
+        self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._server: Server | None = None
         _keep_freed_memory()
 
@@ -201,7 +208,7 @@ class StoreShard:
         with self._changed:
             plan = self._plan(partition_id, keys, columns, overwrite)
             self._parts.setdefault(partition_id, Partition(partition_id)).apply(plan)
-            self._changed.notify_all()
+            self._wake()
 
     def _prepare_now(
         self,
@@ -306,7 +313,7 @@ class StoreShard:
                     StoreError(f"transaction {txn} expired before its commit; retry")
                 )
             staged.apply()
-            self._changed.notify_all()
+            self._wake()
         return {"ok": True}
 
     async def abort(self, txn: str) -> None:
@@ -318,12 +325,19 @@ class StoreShard:
 
     # -- gets ---------------------------------------------------------------------------------
 
+    def _wake(self) -> None:
+        """Wakes every waiting get: local threads and Ray calls alike (under `_changed`)."""
+        self._changed.notify_all()
+        for loop, waiter in self._waiting:
+            loop.call_soon_threadsafe(_resolve, waiter)
+        self._waiting.clear()
+
     def _find(
         self, partition_id: str, keys: list[str], fields: list[str] | None, timeout: float
     ) -> Found:
         """The keys' fields located, waiting up to `timeout` s for missing ones (then reported).
 
-        Blocks the calling thread while it waits: call it with timeout 0 on the event loop.
+        Blocks the calling thread while it waits (a local connection's own thread).
         """
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -335,14 +349,33 @@ class StoreShard:
                     return found
                 self._changed.wait(remaining)
 
+    async def _find_async(
+        self, partition_id: str, keys: list[str], fields: list[str] | None, timeout: float
+    ) -> Found:
+        """`_find` for the event loop: waits on a future that the next commit resolves."""
+        deadline = time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
+        while True:
+            waiter: asyncio.Future[None] = loop.create_future()
+            with self._changed:
+                part = self._parts.get(partition_id) or Partition(partition_id)
+                found = part.find(keys, fields)
+                remaining = deadline - time.monotonic()
+                if not found.missing or remaining <= 0:
+                    return found
+                self._waiting.append((loop, waiter))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(waiter, remaining)
+            with self._changed, contextlib.suppress(ValueError):  # not woken: stop listening
+                self._waiting.remove((loop, waiter))
+
     async def get(self, partition_id: str, keys: bytes, fields: bytes, timeout: float) -> Message:
         """This shard's rows in key order, waiting up to `timeout` s for missing ones."""
         self._count("get:object_store")
         try:
-            key_list, names = json.loads(keys), json.loads(fields)
-            found = self._find(partition_id, key_list, names, 0)
-            if found.missing and timeout > 0:
-                found = await asyncio.to_thread(self._find, partition_id, key_list, names, timeout)
+            found = await self._find_async(
+                partition_id, json.loads(keys), json.loads(fields), timeout
+            )
         except StoreError as exc:
             return error_message(exc)
         if found.missing:

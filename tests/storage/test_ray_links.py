@@ -22,6 +22,7 @@ import torch
 
 from storage import ConflictError, SchemaError, Store, StoreError, StoreTimeout, open_store
 from storage.ray_backend import RayStore, _link
+from storage.ray_shard import shard_of
 from storage.shm import MEMFD_NAME
 
 STORES = ["ray_store", "ray_object_store"]
@@ -219,3 +220,40 @@ def test_no_shared_memory_outlives_puts_gets_errors_timeouts_and_close(
     for p in shard_pids:  # the shards closed every connection of the guest, the stuck one too
         assert _eventually(lambda p=p: (_arena_fds(p), _arena_maps(p)) == baseline[p]), p
     owner.close()
+
+
+def test_gets_waiting_on_both_transports_hold_no_pool_and_wake_on_a_put(
+    ray_store: Store, pid: str
+) -> None:
+    """A shard's waiting gets, on its socket threads and on its event loop, hold no worker pool:
+    with 24 gets waiting for data that does not come, 24 more are answered by a put on either
+    path while the first 24 still wait."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    over_ray = open_store(f"{ray_store.url}&transport=object_store")
+    before = _counts(ray_store)
+    late, soon = [f"late{i}" for i in range(4)], [f"soon{i}" for i in range(4)]
+
+    def wait(store: Store, keys: list[str]) -> list[float]:
+        return store.kv_batch_get(keys, pid, ["scores"], timeout=60)["scores"].tolist()
+
+    def asked(keys: list[str]) -> int:  # requests per get: one per shard holding a key
+        return 12 * len(set(shard_of(keys, 2).tolist()))
+
+    with ThreadPoolExecutor(max_workers=48) as pool:
+        stores = [ray_store, over_ray] * 12
+        waiting = [pool.submit(wait, s, late) for s in stores]
+        answered = [pool.submit(wait, s, soon) for s in stores]
+        deadline = time.monotonic() + 30
+        while True:
+            served = _counts(ray_store) - before
+            if served["get:object_store"] == served["get:shm"] == asked(late) + asked(soon):
+                break
+            assert time.monotonic() < deadline, f"the gets did not reach the shards: {served}"
+            time.sleep(0.05)
+        over_ray.kv_batch_put(soon, pid, {"scores": torch.arange(4.0)})
+        assert all(f.result(timeout=30) == [0.0, 1.0, 2.0, 3.0] for f in answered)
+        assert not any(f.done() for f in waiting)  # still waiting, yet they blocked no one
+        ray_store.kv_batch_put(late, pid, {"scores": torch.ones(4)})
+        assert all(f.result(timeout=30) == [1.0] * 4 for f in waiting)
+    over_ray.close()
