@@ -8,7 +8,8 @@ same lengths), passed as `torch.jagged` nested tensors:
     a: 256 rows, lengths uniform in 64..1024      b: 2048 such rows
     c: 256 rows, lengths uniform in 4096..16384
 
-Systems, all in one run (medians of repeats, each repeat a fresh partition):
+Systems, all in one run (medians of repeats, each repeat a fresh partition; the Ray-side systems
+take turns repeat by repeat, so the ratios between them see the same machine):
 
 - memcpy bound: `torch.cat` of the same rows, both fields (what any copy costs);
 - embedded: `memory://` put and get;
@@ -19,6 +20,9 @@ Systems, all in one run (medians of repeats, each repeat a fresh partition):
 - raw ray: one packed numpy buffer (both fields' values and offsets) through the object store:
   `ray.put` in the client, and `ray.get` in the client of a buffer another process put
   (a zero-copy view: the floor for any Ray transfer);
+- raw ray, back to back: the same put and get, each timed in a tight loop of its own rather than
+  taking turns with the other systems (warm caches: raw Ray's best case, the way earlier runs
+  measured it);
 - raw ray get + TensorDict: that get, then the TensorDict a store get returns (both fields as
   `torch.jagged` nested tensors) built over the fetched buffer without copying it, by the store's
   own `to_tensordict`: what returning the store's types costs on top of the floor (no put row);
@@ -43,6 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -161,28 +166,60 @@ def _check(meta: Any, store: Any, batch: dict[str, Any]) -> None:
         assert td[name].offsets().diff().tolist() == batch["lengths"], name
 
 
-def _raw_case(case: str, repeats: int, holder: Any) -> dict[str, float]:
-    import numpy as np
-    import ray
+@dataclass
+class Trial:
+    """How one system puts, gets and clears repeat i of a case (`put` None: it has no put)."""
 
-    batch = make_batch(case)
-    parts = []
-    for value in batch["fields"].values():
-        parts += [value.values().numpy().view(np.uint8), value.offsets().numpy().view(np.uint8)]
-    packed = np.concatenate(parts)
-    put = median_time(lambda _: _timed(lambda: ray.put(packed)), repeats)
-    refs = [ray.get(holder.hold.remote(len(packed)), timeout=60)[0] for _ in range(repeats + 2)]
-    get = median_time(lambda i: _timed(lambda: ray.get(refs[i], timeout=60)), repeats)
-    return {"put": put, "get": get, "bytes": batch["bytes"]}
+    put: Callable[[int], object] | None
+    get: Callable[[int], object]
+    clear: Callable[[int], object] = lambda i: None
 
 
-def bench_raw_ray(repeats: int, holder: Any) -> Timings:
-    """ray.put of one packed buffer here; ray.get here of a buffer `holder` (another process) put."""
-    return {case: _raw_case(case, repeats, holder) for case in CASES}
+def interleaved(systems: dict[str, Trial], repeats: int) -> dict[str, dict[str, float | None]]:
+    """Median put and get seconds per system; each repeat runs every system once, in turn.
+
+    Taking turns repeat by repeat, not system after system, gives every system the same share of
+    the machine's slow and fast spells (its speed drifts by 15-20 % over minutes), so the ratios
+    between systems hold even when the absolute numbers move between runs.
+    """
+    puts: dict[str, list[float]] = {name: [] for name in systems}
+    gets: dict[str, list[float]] = {name: [] for name in systems}
+    for i in range(-2, repeats):  # two warm-up repeats
+        for name, trial in systems.items():
+            if trial.put is not None:
+                start = time.perf_counter()
+                trial.put(i)
+                puts[name].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            trial.get(i)
+            gets[name].append(time.perf_counter() - start)
+            trial.clear(i)
+    return {
+        name: {
+            "put": statistics.median(puts[name][2:]) if puts[name] else None,
+            "get": statistics.median(gets[name][2:]),
+        }
+        for name in systems
+    }
 
 
-def _raw_td_case(case: str, repeats: int, holder: Any) -> dict[str, float]:
-    """`_raw_case`'s get, then the store's TensorDict of the batch built over the buffer (no copy)."""
+def _store_trial(store: Any, case: str, batch: dict[str, Any]) -> Trial:
+    keys = [f"sample-{j}" for j in range(len(batch["lengths"]))]
+    _check(store.kv_batch_put(keys, "bench/check", batch["fields"]), store, batch)
+    store.kv_clear("bench/check")
+    return Trial(
+        lambda i: store.kv_batch_put(keys, f"bench/{case}/{i}", batch["fields"]),
+        lambda i: store.kv_batch_get(keys, f"bench/{case}/{i}", FIELDS, timeout=60),
+        lambda i: store.kv_clear(f"bench/{case}/{i}"),
+    )
+
+
+def _raw_trials(
+    batch: dict[str, Any], repeats: int, holder: Any
+) -> tuple[dict[str, Trial], Callable[[], dict[str, float]]]:
+    """Raw Ray: `ray.put` of one packed buffer here, `ray.get` here of a copy `holder` put; and
+    that get followed by the store's TensorDict of the batch, built over the buffer (no copy).
+    Also raw Ray's put and get timed back to back, each in a loop of its own."""
     import warnings
 
     import numpy as np
@@ -192,7 +229,6 @@ def _raw_td_case(case: str, repeats: int, holder: Any) -> dict[str, float]:
     from storage.convert import to_tensordict
     from storage.schema import FieldSpec
 
-    batch = make_batch(case)
     parts, layout, start = [], [], 0
     for value in batch["fields"].values():
         for array in (value.values().numpy(), value.offsets().numpy()):
@@ -202,10 +238,10 @@ def _raw_td_case(case: str, repeats: int, holder: Any) -> dict[str, float]:
     packed = np.concatenate(parts)
     specs = [FieldSpec.jagged(value.dtype) for value in batch["fields"].values()]
     refs = [ray.get(holder.hold_copy.remote(packed), timeout=60)[0] for _ in range(repeats + 2)]
+    more = [ray.get(holder.hold_copy.remote(packed), timeout=60)[0] for _ in range(repeats + 2)]
 
-    def get_as_tensordict(i: int) -> float:
-        begin = time.perf_counter()
-        buffer = ray.get(refs[i], timeout=60)
+    def get_as_tensordict(i: int) -> Any:
+        buffer = ray.get(more[i], timeout=60)
         views = [np.frombuffer(buffer, dtype, n, offset) for offset, dtype, n in layout]
         columns = {
             name: Column(spec, views[2 * j], views[2 * j + 1])
@@ -213,17 +249,27 @@ def _raw_td_case(case: str, repeats: int, holder: Any) -> dict[str, float]:
         }
         with warnings.catch_warnings():  # Ray's buffers are read-only; torch warns once
             warnings.simplefilter("ignore")
-            td = to_tensordict(columns, len(batch["lengths"]))
-        elapsed = time.perf_counter() - begin
-        assert td["old_logprobs"].offsets().diff().tolist() == batch["lengths"]
-        return elapsed
+            return to_tensordict(columns, len(batch["lengths"]))
 
-    get = median_time(get_as_tensordict, repeats)
-    return {"put": None, "get": get, "bytes": batch["bytes"]}
+    def back_to_back() -> dict[str, float]:
+        """Raw Ray's put and get each in a tight loop of its own (warm caches: its best case)."""
+        put = median_time(lambda _: _timed(lambda: ray.put(packed)), repeats)
+        hot = [ray.get(holder.hold_copy.remote(packed), timeout=60)[0] for _ in range(repeats + 2)]
+        get = median_time(lambda i: _timed(lambda: ray.get(hot[i], timeout=60)), repeats)
+        return {"put": put, "get": get}
+
+    td = get_as_tensordict(-1)
+    assert td["old_logprobs"].offsets().diff().tolist() == batch["lengths"]
+    trials = {
+        "raw ray": Trial(lambda i: ray.put(packed), lambda i: ray.get(refs[i], timeout=60)),
+        "raw ray get + TensorDict": Trial(None, get_as_tensordict),
+    }
+    return trials, back_to_back
 
 
 def bench_ray_side(repeats: int) -> dict[str, Timings]:
-    """The Ray backend (1 and 2 shards) and raw Ray, driven from a client actor in another process."""
+    """The Ray backend (2 and 1 shards, the object-store path) and raw Ray, driven from a client
+    actor in another process, taking turns repeat by repeat (`interleaved`)."""
     import ray
 
     sys.path.insert(0, str(ROOT))
@@ -233,33 +279,28 @@ def bench_ray_side(repeats: int) -> dict[str, Timings]:
     try:
         holder = ray.remote(num_cpus=0)(_Holder).remote()
         client = ray.remote(num_cpus=0)(_Client).remote(str(ROOT))
-        out = {}
+        stores, urls = [], {}
         for shards, transport, name in (
             (2, "auto", "ray 2 shards"),
             (1, "auto", "ray 1 shard"),
             (1, "object_store", "ray 1 shard, object store"),
         ):
             url = f"ray://bench-{shards}-{transport}?shards={shards}&timeout=120"
-            store = open_store(f"{url}&transport={transport}")
-            out[name] = ray.get(client.store.remote(store.url, repeats), timeout=900)
+            stores.append(open_store(f"{url}&transport={transport}"))
+            urls[name] = stores[-1].url
+        by_case = {
+            case: ray.get(client.run.remote(urls, case, repeats, holder), timeout=1800)
+            for case in CASES
+        }
+        for store in stores:
             store.close()
-        out["raw ray"] = ray.get(client.raw.remote(repeats, holder), timeout=900)
-        out["raw ray get + TensorDict"] = ray.get(
-            client.raw_td.remote(repeats, holder), timeout=900
-        )
-        return out
+        return {name: {case: by_case[case][name] for case in CASES} for name in by_case["a"]}
     finally:
         ray.shutdown()
 
 
 class _Holder:
     """Puts buffers from its own process, so the client's ray.get reads a foreign object."""
-
-    def hold(self, nbytes: int) -> list[Any]:
-        import numpy as np
-        import ray
-
-        return [ray.put(np.ones(nbytes, np.uint8))]
 
     def hold_copy(self, array: Any) -> list[Any]:
         import numpy as np
@@ -274,14 +315,15 @@ class _Client:
     def __init__(self, root: str) -> None:
         sys.path.insert(0, root)
 
-    def store(self, url: str, repeats: int) -> Timings:
-        return bench_store(url, repeats)
+    def run(self, urls: dict[str, str], case: str, repeats: int, holder: Any) -> Timings:
+        from storage import open_store
 
-    def raw(self, repeats: int, holder: Any) -> Timings:
-        return bench_raw_ray(repeats, holder)
-
-    def raw_td(self, repeats: int, holder: Any) -> Timings:
-        return {case: _raw_td_case(case, repeats, holder) for case in CASES}
+        batch = make_batch(case)
+        trials = {name: _store_trial(open_store(url), case, batch) for name, url in urls.items()}
+        raw, back_to_back = _raw_trials(batch, repeats, holder)
+        timings = interleaved({**trials, **raw}, repeats)
+        timings["raw ray, back to back"] = {**back_to_back()}
+        return {name: {**t, "bytes": batch["bytes"]} for name, t in timings.items()}
 
 
 # -- TransferQueue in its own venv -----------------------------------------------------------------
@@ -377,6 +419,8 @@ def targets(systems: dict[str, Any]) -> dict[str, Any]:
             if tq:
                 ratio(f"{name} {op} vs TQ on (a), x faster", tq["a"][op] / mine[op], 5)
             ratio(f"{name} {op} vs raw ray on (a), speed ratio", raw[op] / mine[op], 0.7)
+        warm = systems["raw ray, back to back"]["a"]["get"]
+        ratio(f"{name} get vs raw ray back to back on (a), speed ratio", warm / mine["get"], 0.7)
         same_type = systems["raw ray get + TensorDict"]["a"]["get"]
         ratio(
             f"{name} get vs raw ray get + TensorDict on (a), speed ratio",
