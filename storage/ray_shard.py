@@ -329,7 +329,8 @@ class StoreShard:
         """Wakes every waiting get: local threads and Ray calls alike (under `_changed`)."""
         self._changed.notify_all()
         for loop, waiter in self._waiting:
-            loop.call_soon_threadsafe(_resolve, waiter)
+            with contextlib.suppress(RuntimeError):  # a loop closed by the actor's exit
+                loop.call_soon_threadsafe(_resolve, waiter)
         self._waiting.clear()
 
     def _find(

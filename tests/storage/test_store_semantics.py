@@ -256,3 +256,26 @@ def test_empty_batches(store: Store, pid: str) -> None:
     assert td.batch_size == torch.Size([0]) and td["prompt_ids"].layout == torch.jagged
     with pytest.raises(SchemaError, match="declare"):
         store.kv_batch_put([], pid, {"made_up": []})
+
+
+def test_jagged_fields_of_equal_lengths_share_one_ragged_dim(store: Store, pid: str) -> None:
+    """Fields with the same row lengths come back combinable elementwise (one nested int);
+    fields with other lengths keep their own."""
+    keys = ["a", "b", "c"]
+    lengths = [3, 0, 2]
+    store.kv_batch_put(
+        keys,
+        pid,
+        {
+            "old_logprobs": [torch.full((n,), 1.0) for n in lengths],
+            "ref_logprobs": [torch.full((n,), 0.25) for n in lengths],
+            "prompt_ids": [torch.arange(n + 1) for n in lengths],
+        },
+    )
+    td = store.kv_batch_get(["c", "a", "b"], pid)
+    kl = td["old_logprobs"] - td["ref_logprobs"]  # raises if the ragged dims differ
+    assert kl.values().tolist() == [0.75] * 5
+    assert kl.offsets().tolist() == [0, 2, 5, 5]
+    assert td["prompt_ids"].offsets().tolist() == [0, 3, 7, 8]
+    with pytest.raises(RuntimeError):
+        td["old_logprobs"] + td["prompt_ids"]
