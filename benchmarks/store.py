@@ -136,16 +136,9 @@ def bench_memcpy(repeats: int) -> Timings:
 
 def _store_case(store: Any, case: str, repeats: int) -> dict[str, float]:
     batch = make_batch(case)
-    keys = [f"sample-{j}" for j in range(len(batch["lengths"]))]
-    timings = time_put_get(
-        lambda i: store.kv_batch_put(keys, f"bench/{case}/{i}", batch["fields"]),
-        lambda i: store.kv_batch_get(keys, f"bench/{case}/{i}", FIELDS, timeout=60),
-        lambda i: store.kv_clear(f"bench/{case}/{i}"),
-        repeats,
-    )
-    _check(store.kv_batch_put(keys, "bench/check", batch["fields"]), store, batch)
-    store.kv_clear("bench/check")
-    return {**timings, "bytes": batch["bytes"]}
+    trial = _store_trial(store, case, batch)
+    assert trial.put is not None
+    return {**time_put_get(trial.put, trial.get, trial.clear, repeats), "bytes": batch["bytes"]}
 
 
 def bench_store(url: str, repeats: int) -> Timings:

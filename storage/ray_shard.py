@@ -113,6 +113,12 @@ def _missing(found: Found) -> Header:
     }
 
 
+def _pack_found(found: Found, arrays: list[Any]) -> dict[str, Any]:
+    """Header entries of the located rows, their buffers appended to `arrays` (views of stored
+    chunks where a field's rows are one run: copy them out before the shard changes)."""
+    return pack_columns({name: at.view() for name, at in found.located.items()}, arrays)
+
+
 def _resolve(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
@@ -333,6 +339,10 @@ class StoreShard:
                 loop.call_soon_threadsafe(_resolve, waiter)
         self._waiting.clear()
 
+    def _locate(self, partition_id: str, keys: list[str], fields: list[str] | None) -> Found:
+        """The keys' fields located now, or what misses (call under `_changed`)."""
+        return (self._parts.get(partition_id) or Partition(partition_id)).find(keys, fields)
+
     def _find(
         self, partition_id: str, keys: list[str], fields: list[str] | None, timeout: float
     ) -> Found:
@@ -343,8 +353,7 @@ class StoreShard:
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
-                part = self._parts.get(partition_id) or Partition(partition_id)
-                found = part.find(keys, fields)
+                found = self._locate(partition_id, keys, fields)
                 remaining = deadline - time.monotonic()
                 if not found.missing or remaining <= 0:
                     return found
@@ -359,8 +368,7 @@ class StoreShard:
         while True:
             waiter: asyncio.Future[None] = loop.create_future()
             with self._changed:
-                part = self._parts.get(partition_id) or Partition(partition_id)
-                found = part.find(keys, fields)
+                found = self._locate(partition_id, keys, fields)
                 remaining = deadline - time.monotonic()
                 if not found.missing or remaining <= 0:
                     return found
@@ -382,8 +390,7 @@ class StoreShard:
         if found.missing:
             return message(_missing(found))
         arrays: list[Any] = []
-        columns = {name: located.view() for name, located in found.located.items()}
-        return message({"fields": pack_columns(columns, arrays)}, arrays)  # Ray copies them out
+        return message({"fields": _pack_found(found, arrays)}, arrays)  # Ray copies them out
 
     # -- the local socket ---------------------------------------------------------------------
 
@@ -434,9 +441,8 @@ class StoreShard:
         if found.missing:
             return _missing(found)
         arrays: list[Any] = []
-        columns = {name: located.view() for name, located in found.located.items()}
-        header = {"fields": pack_columns(columns, arrays)}
-        return {**header, "arrays": arena.write(arrays), "arena": arena.size}
+        fields = _pack_found(found, arrays)
+        return {"fields": fields, "arrays": arena.write(arrays), "arena": arena.size}
 
     # -- the rest -----------------------------------------------------------------------------
 
