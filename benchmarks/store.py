@@ -26,6 +26,10 @@ take turns repeat by repeat, so the ratios between them see the same machine):
 - raw ray get + TensorDict: that get, then the TensorDict a store get returns (both fields as
   `torch.jagged` nested tensors) built over the fetched buffer without copying it, by the store's
   own `to_tensordict`: what returning the store's types costs on top of the floor (no put row);
+- embedded, in the Ray client: a `memory://` store in the client actor's process, taking turns
+  with the systems above: the same lookup, copy and TensorDict as any store get, with no
+  cross-process step at all. Its get against raw Ray's is the ceiling for any Ray-backend get
+  with the store's contract (private, writable tensors in a TensorDict of the requested keys);
 - transferqueue 0.1.11: runs in its own venv, `benchmarks/.venvs/tq` (built on first use:
   `python3 -m venv`, `pip install torch==2.13.0 numpy`, then `transferqueue==0.1.11`), as a
   subprocess of that venv that prints JSON. If it cannot be installed or run in bounded time,
@@ -313,6 +317,7 @@ class _Client:
 
         batch = make_batch(case)
         trials = {name: _store_trial(open_store(url), case, batch) for name, url in urls.items()}
+        trials["embedded, in the Ray client"] = _store_trial(open_store("memory://"), case, batch)
         raw, back_to_back = _raw_trials(batch, repeats, holder)
         timings = interleaved({**trials, **raw}, repeats)
         timings["raw ray, back to back"] = {**back_to_back()}
@@ -422,6 +427,12 @@ def targets(systems: dict[str, Any]) -> dict[str, Any]:
         )
         trip = (raw["put"] + raw["get"]) / (mine["put"] + mine["get"])
         ratio(f"{name} put+get vs raw ray on (a), speed ratio", trip, 0.7)
+    ceiling = systems["embedded, in the Ray client"]["a"]["get"]
+    ratio(
+        "ceiling: embedded get in the Ray client vs raw ray on (a), speed ratio",
+        raw["get"] / ceiling,
+        0.7,
+    )
     for name in ("memcpy bound", "embedded", "ray 2 shards", "ray 1 shard"):
         t = systems[name]
         for op in ("put", "get"):
@@ -438,16 +449,16 @@ def _ms(seconds: float | None) -> str:
 
 def table(systems: dict[str, Any]) -> str:
     lines = [
-        f"{'system':<26}" + "".join(f"{c + ' put':>11}{c + ' get':>11}" for c in CASES) + "   (ms)"
+        f"{'system':<30}" + "".join(f"{c + ' put':>11}{c + ' get':>11}" for c in CASES) + "   (ms)"
     ]
     for name, timings in systems.items():
         if name == "transferqueue":
             if not timings["available"]:
-                lines.append(f"{name:<26}unavailable: {timings['reason'][:120]}")
+                lines.append(f"{name:<30}unavailable: {timings['reason'][:120]}")
                 continue
             timings = timings["timings"]
         cells = "".join(f"{_ms(timings[c]['put'])}{_ms(timings[c]['get'])}" for c in CASES)
-        lines.append(f"{name:<26}{cells}")
+        lines.append(f"{name:<30}{cells}")
     return "\n".join(lines)
 
 
