@@ -276,18 +276,13 @@ def ppoflow_config(
 
 
 def resolved_models(cfg: Any) -> Any:
-    from flows.reward_model import ResolvedModels
+    from dataclasses import asdict
+
+    from flows.reward_model import resolve_models
     from infra.assets import build_tiny_assets
 
     assets = build_tiny_assets(cfg.models.assets_dir, seed=cfg.seed)  # the prompt data
-    return ResolvedModels(
-        policy=str(cfg.models.policy),
-        tokenizer=str(cfg.models.tokenizer),
-        reward_model=str(cfg.models.reward_model),
-        critic=None,
-        train_data=str(assets.train_data),
-        heldout_data=str(assets.heldout_data),
-    )
+    return resolve_models(cfg, {k: str(v) for k, v in asdict(assets).items()})
 
 
 # ------------------------------------------------------------------- ppoflow, three ways
@@ -425,7 +420,13 @@ def run_staged(cfg: Any, baton: Baton) -> Run:
     runtime = build_runtime(cfg, models)
     run = Run([], [])
     try:
-        trainer = Trainer(cfg, runtime, models, cfg.resolved_run_dir)
+        from transformers import AutoTokenizer
+
+        from flows.inputs import load_datasets
+
+        tokenizer = AutoTokenizer.from_pretrained(models.tokenizer)
+        datasets = load_datasets(cfg, models, tokenizer)
+        trainer = Trainer(cfg, runtime, models, cfg.resolved_run_dir, datasets, tokenizer)
         trainer.stages = {name: task.fn for name, task in TASKS.items()}
         for row, seconds in turns(baton, cfg.trainer.total_steps, trainer.iteration):
             run.rows.append(row)

@@ -4,6 +4,11 @@ ppoflow train [--config configs/grpo.yaml] [key=value ...]   # the training flow
 ppoflow plot RUN_DIR                                          # reward/KL curves → RUN_DIR/curves.png
 ppoflow deploy [--prefect-yaml PATH]                          # register deployments with a Prefect server
 ppoflow serve [--name NAME ...]                               # serve deployments without a work pool
+ppoflow data addition --out DIR                               # the built-in prompts in verl's parquet layout
+
+A bad setting, a missing file or folder, a prompt longer than ``data.max_prompt_length`` (with
+``data.truncation=error``) or a reward function that does not load is one line on stderr and
+exit status 2, before Ray or Prefect start; a run that fails later exits 1 with its error.
 """
 
 from __future__ import annotations
@@ -30,21 +35,61 @@ def _quiet_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _preflight(cfg: object) -> None:
+    """What the flow checks first, done before Prefect and Ray start: inputs, and the prompts of
+    a user's dataset rendered with a user's tokenizer (the built-in task's come with its assets)."""
+    from flows.inputs import check_inputs, load_datasets
+    from flows.reward_model import resolve_models
+    from infra.config import TrainConfig
+
+    assert isinstance(cfg, TrainConfig)
+    check_inputs(cfg)
+    if cfg.data.builtin or cfg.models.policy is None:
+        return
+    from transformers import AutoTokenizer
+
+    models = resolve_models(cfg, None)
+    load_datasets(cfg, models, AutoTokenizer.from_pretrained(models.tokenizer))
+
+
 def _train(args: argparse.Namespace) -> int:
     from infra.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"ppoflow: {exc}", file=sys.stderr)
+        _preflight(cfg)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"ppoflow: {_one_line(exc)}", file=sys.stderr)
         return 2
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     from flows.train import ppo_train
 
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        summary = ppo_train(cfg)
-    print(json.dumps(summary, indent=1))
+        state = ppo_train(cfg, return_state=True)
+    if not state.is_completed():
+        print(
+            f"ppoflow: run failed: {_one_line(Exception(state.message or state.name))}",
+            file=sys.stderr,
+        )
+        try:
+            state.result()
+        except Exception as exc:  # noqa: BLE001 - the run's own error, named in one line
+            print(f"ppoflow: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    print(json.dumps(state.result(), indent=1))
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from infra.data import write_addition_verl
+
+    train, test = write_addition_verl(Path(args.out), seed=args.seed)
+    print(json.dumps({"train": str(train), "test": str(test)}, indent=1))
     return 0
 
 
@@ -96,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--name", action="append", help="deployment name(s) to serve (default: all)")
     serve.add_argument("--prefect-yaml", default="prefect.yaml")
     serve.set_defaults(fn=_serve)
+    data = sub.add_parser("data", help="write the built-in task's prompts in verl's layout")
+    data.add_argument("dataset", choices=["addition"])
+    data.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
+    data.add_argument("--seed", type=int, default=0)
+    data.set_defaults(fn=_data)
     args = parser.parse_args(argv)
     return int(args.fn(args))
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from flows.checkpoint import latest_checkpoint, read_state, save_checkpoint
+from flows.inputs import Datasets, heldout_rows
 from flows.report import RunReport
 from flows.reward_model import ResolvedModels
 from flows.runtime import Runtime
@@ -32,12 +33,13 @@ from infra.transport import Jagged
 from storage import BatchMeta
 from tasks.advantage.stage import advantage
 from tasks.context import StageContext
-from tasks.generate.stage import generate, prompt_token_ids, submit_prompts
+from tasks.generate.stage import generate, row_prompt_ids, submit_prompts
 from tasks.kl import AdaptiveKLController, FixedKLController
 from tasks.logprobs.stage import logprobs
 from tasks.logprobs.stage import writes as logprob_writes
 from tasks.score.stage import rule_scores, score
 from tasks.update.stage import update
+from tasks.validate.stage import validate
 
 STAGES = {
     "generate": generate,
@@ -45,6 +47,7 @@ STAGES = {
     "logprobs": logprobs,
     "advantage": advantage,
     "update": update,
+    "validate": validate,
 }
 
 
@@ -60,12 +63,14 @@ class Trainer:
     """Runs the iterations of one flow run; see the module docstring."""
 
     def __init__(
-        self, cfg: TrainConfig, rt: Runtime, models: ResolvedModels, run_dir: Path
+        self,
+        cfg: TrainConfig,
+        rt: Runtime,
+        models: ResolvedModels,
+        run_dir: Path,
+        datasets: Datasets,
+        tokenizer: Any,
     ) -> None:
-        from transformers import AutoTokenizer
-
-        from infra.data import PromptDataset
-
         self.cfg, self.rt, self.models, self.run_dir = cfg, rt, models, run_dir
         kl = cfg.algorithm.kl
         controller = (
@@ -76,16 +81,17 @@ class Trainer:
         self.ctx = StageContext(
             cfg=cfg,
             store=rt.store,
-            tokenizer=AutoTokenizer.from_pretrained(models.tokenizer),
+            tokenizer=tokenizer,
             train_group=rt.train_group,
             reward_group=rt.reward_group,
             rollout_group=rt.rollout_group,
             kl_controller=controller,
+            reward_pool=rt.reward_pool,
         )
-        self.data = PromptDataset(Path(models.train_data), seed=cfg.seed)
-        self.heldout = PromptDataset(
-            Path(models.heldout_data), seed=cfg.seed, shuffle=False
-        ).next_batch(cfg.trainer.eval_prompts)
+        self.data = datasets.train
+        self.val_rows = datasets.val  # user validation prompts (None: none)
+        self.notes = datasets.notes
+        self.heldout = heldout_rows(cfg, models, tokenizer) if cfg.data.builtin else []
         self.stages = {
             name: fn.with_options(
                 retries=cfg.orchestration.retries,
@@ -285,17 +291,22 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> float:
-        """Greedy rule accuracy on held-out prompts (the honest metric beside the RM score)."""
-        prompts = Jagged.from_rows(
-            [prompt_token_ids(self.ctx.tokenizer, r.raw_prompt) for r in self.heldout]
-        )
+    @property
+    def evaluates(self) -> bool:
+        """The built-in task's rule accuracy, or validation on ``data.val_files``."""
+        return bool(self.heldout) or bool(self.val_rows)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The built-in task's greedy rule accuracy on held-out prompts (the honest metric beside
+        the reward model's score), or the ``validate`` task on the user's validation prompts."""
+        if self.val_rows:
+            return dict(self.stages["validate"](self.ctx, self.val_rows, step))
+        prompts = Jagged.from_rows([row_prompt_ids(self.ctx.tokenizer, r) for r in self.heldout])
         responses, _, _ = self.rt.rollout_group.call(
             "generate", prompts, n=1, seed=0, temperature=0.0
         )[0]
-        return float(
-            rule_scores(self.ctx, responses, [r.ground_truth for r in self.heldout]).mean()
-        )
+        accuracy = rule_scores(self.ctx, responses, [r.ground_truth for r in self.heldout])
+        return {"eval/rule_accuracy": float(accuracy.mean())}
 
     # ------------------------------------------------------------------ the run
     def run(self, report_factory: Any = RunReport) -> dict[str, Any]:
@@ -308,6 +319,9 @@ class Trainer:
             start_step=first,
             progress_bar=cfg.trainer.progress_bar,
             artifact_interval_s=cfg.trainer.artifact_interval_s,
+            loggers=cfg.trainer.loggers,
+            alerts=cfg.trainer.alerts,
+            config=cfg.model_dump(mode="json"),
         )
         report.start(first)
         stop = threading.Event()
@@ -330,15 +344,14 @@ class Trainer:
         )
         try:
             for step in range(first, end):
-                # Held-out accuracy before the step's update every eval_every steps, and after the last.
-                pre = (
-                    {"eval/rule_accuracy": self.evaluate()}
-                    if step % cfg.trainer.eval_every == 0
-                    else {}
-                )
+                # Evaluation before the step's update every eval_every steps, and after the last.
+                due = self.evaluates and step % cfg.trainer.eval_every == 0
+                pre = self.evaluate(step) if due else {}
                 metrics = {**pre, **self.iteration(step)}
-                if step == end - 1:
-                    metrics["eval/rule_accuracy"] = self.evaluate()
+                if step == first:
+                    metrics.update(self.notes)
+                if step == end - 1 and self.evaluates:
+                    metrics.update(self.evaluate(step + 1))
                 report.log(step, {**self.ctx.metrics.pop(step, {}), **metrics})
                 out_of_time = (
                     cfg.trainer.max_seconds is not None

@@ -2,15 +2,16 @@
 trained on preference pairs derived from the rule, reporting its held-out pair accuracy.
 
 Outputs land in ``<run_dir>/warmstart/{sft,reward_model}``; a finished stage is not redone, so a
-resumed or re-scheduled run reuses them. A user with real checkpoints skips this flow by setting
-``models.policy`` and ``models.reward_model``.
+resumed or re-scheduled run reuses them. The warm start belongs to the built-in addition task
+(``TrainConfig.warm_start``): a user's policy or dataset never goes through it, and
+``resolve_models`` then only fills in the defaults (reference = policy, tokenizer = the policy's).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,18 @@ from infra.config import TrainConfig
 
 @dataclass(frozen=True)
 class ResolvedModels:
-    """Concrete model folders for a training run."""
+    """Concrete model folders for a training run (``reward_model`` None: no reward model).
+
+    ``train_data`` / ``heldout_data`` are the built-in task's prompt files (None with
+    ``data.train_files``)."""
 
     policy: str
     tokenizer: str
-    reward_model: str
+    reference: str
+    reward_model: str | None
     critic: str | None
-    train_data: str
-    heldout_data: str
+    train_data: str | None = None
+    heldout_data: str | None = None
     sft_accuracy: float | None = None
     rm_pair_accuracy: float | None = None
 
@@ -97,43 +102,73 @@ def reward_model(
     )
 
 
+def _needs_assets(cfg: TrainConfig) -> bool:
+    """The tiny assets serve the built-in task (its data, its policy) and the warm start."""
+    return cfg.data.builtin or cfg.models.policy is None
+
+
+def resolve_models(
+    cfg: TrainConfig,
+    assets: dict[str, str] | None,
+    *,
+    policy: str | None = None,
+    reward_model: str | None = None,
+) -> ResolvedModels:
+    """Fill in the defaults: the policy (a given folder, the warm-started one, or the tiny
+    asset), its tokenizer, the reference (= the policy), the reward model (given, trained, or
+    none) and the built-in data files."""
+    m = cfg.models
+    policy = policy or (str(m.policy) if m.policy else None)
+    if policy is None:
+        assert assets is not None
+        policy = assets["policy"]
+    if reward_model is None and m.reward_model is not None:
+        reward_model = str(m.reward_model)
+    builtin_tokenizer = assets["tokenizer"] if assets and m.policy is None else None
+    return ResolvedModels(
+        policy=policy,
+        tokenizer=str(m.tokenizer or builtin_tokenizer or policy),
+        reference=str(m.reference or (m.policy or policy)),
+        reward_model=reward_model,
+        critic=str(m.critic) if m.critic else None,
+        train_data=assets["train_data"] if assets and cfg.data.builtin else None,
+        heldout_data=assets["heldout_data"] if assets and cfg.data.builtin else None,
+    )
+
+
 @flow(name="reward-model", log_prints=True)
 def reward_model_flow(config: TrainConfig = TrainConfig()) -> ResolvedModels:  # noqa: B008 - pydantic default is the form's default
-    """Warm-start the policy and train the reward model (skipping what is already done)."""
+    """Warm-start the policy and train the reward model on the built-in task (skipping what is
+    already done); with a user's policy or data only the defaults are filled in."""
     cfg = config
     logger = get_run_logger()
     # Tiny models gain nothing from intra-op threads, and on a busy machine extra threads thrash.
     import torch
 
     torch.set_num_threads(cfg.resources.threads_per_worker)
-    # 1. Assets (tiny tokenizer, models, dataset) — idempotent.
-    assets = build_assets(cfg)
+    # 1. Assets (tiny tokenizer, models, dataset) for the built-in task — idempotent.
+    assets = build_assets(cfg) if _needs_assets(cfg) else None
+    if not cfg.warm_start:
+        return resolve_models(cfg, assets)
+    assert assets is not None
     root = cfg.resolved_run_dir / "warmstart"
     sft_dir, rm_dir = root / "sft", root / "reward_model"
-    policy = str(cfg.models.policy) if cfg.models.policy else None
-    rm_path = str(cfg.models.reward_model) if cfg.models.reward_model else None
-    sft_acc = rm_acc = None
-    # 2. Supervised warm start unless a policy checkpoint is given.
-    if policy is None:
-        if cfg.warmstart.enabled:
-            rep = sft(cfg, assets, sft_dir)
-            sft_acc = rep.get("heldout_accuracy")
-            policy = str(sft_dir)
-        else:
-            policy = assets["policy"]
-    # 3. Reward model on rule-derived preference pairs unless one is given.
-    if rm_path is None:
-        if cfg.warmstart.enabled:
-            rep = reward_model(cfg, assets, Path(policy), rm_dir)
-            rm_acc = rep.get("heldout_pair_accuracy")
-            rm_path = str(rm_dir)
-            if rm_acc is not None and rm_acc < cfg.warmstart.min_rm_pair_accuracy:
-                raise RuntimeError(
-                    f"reward model held-out pair accuracy {rm_acc:.3f} < warmstart.min_rm_pair_accuracy="
-                    f"{cfg.warmstart.min_rm_pair_accuracy}: raise warmstart.rm_steps / rm_max_seconds"
-                )
-        else:
-            rm_path = assets["reward_model"]
+    # 2. Supervised warm start of the built-in policy.
+    rep = sft(cfg, assets, sft_dir)
+    sft_acc = rep.get("heldout_accuracy")
+    policy = str(sft_dir)
+    # 3. A reward model on rule-derived preference pairs, unless one is given or unused.
+    rm_path: str | None = str(cfg.models.reward_model) if cfg.models.reward_model else None
+    rm_acc = None
+    if rm_path is None and cfg.uses_reward_model:
+        rep = reward_model(cfg, assets, Path(policy), rm_dir)
+        rm_acc = rep.get("heldout_pair_accuracy")
+        rm_path = str(rm_dir)
+        if rm_acc is not None and rm_acc < cfg.warmstart.min_rm_pair_accuracy:
+            raise RuntimeError(
+                f"reward model held-out pair accuracy {rm_acc:.3f} < warmstart.min_rm_pair_accuracy="
+                f"{cfg.warmstart.min_rm_pair_accuracy}: raise warmstart.rm_steps / rm_max_seconds"
+            )
     logger.info(
         "warm start: sft held-out accuracy=%s, reward-model held-out pair accuracy=%s",
         sft_acc,
@@ -147,13 +182,5 @@ def reward_model_flow(config: TrainConfig = TrainConfig()) -> ResolvedModels:  #
             f"| SFT held-out rule accuracy | {sft_acc} |\n| RM held-out pair accuracy | {rm_acc} |\n"
         ),
     )
-    return ResolvedModels(
-        policy=policy,
-        tokenizer=str(cfg.models.tokenizer or (cfg.models.policy or assets["tokenizer"])),
-        reward_model=rm_path,
-        critic=str(cfg.models.critic) if cfg.models.critic else None,
-        train_data=assets["train_data"],
-        heldout_data=assets["heldout_data"],
-        sft_accuracy=sft_acc,
-        rm_pair_accuracy=rm_acc,
-    )
+    resolved = resolve_models(cfg, assets, policy=policy, reward_model=rm_path)
+    return replace(resolved, sft_accuracy=sft_acc, rm_pair_accuracy=rm_acc)

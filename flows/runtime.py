@@ -7,6 +7,8 @@ Pool layout by mode (``reward.pool`` decides whether the reward model shares the
 | sync             | rollout, actor, ref, critic, (rm) | — (training pool)      | own: 1 bundle    |
 | colocate_async   | same as sync                      | — (training pool)      | own: 1 bundle    |
 | separate_async   | actor, ref, critic                | rollout_workers        | always own       |
+
+A run without a reward model (reward functions only) has no reward role and no reward pool.
 """
 
 from __future__ import annotations
@@ -25,13 +27,20 @@ from infra.workers import WorkerSpec
 class Runtime:
     store: Any
     train_group: WorkerGroup
-    reward_group: WorkerGroup
+    reward_group: WorkerGroup | None
     rollout_group: WorkerGroup
     pools: list[ResourcePool] = field(default_factory=list)
     started_ray: bool = False
+    reward_pool: Any | None = None  # infra.reward_functions.RewardFunctionPool, when configured
 
     def shutdown(self) -> None:
-        groups = {id(g): g for g in (self.train_group, self.reward_group, self.rollout_group)}
+        if self.reward_pool is not None:
+            self.reward_pool.close()
+        groups = {
+            id(g): g
+            for g in (self.train_group, self.reward_group, self.rollout_group)
+            if g is not None
+        }
         for g in groups.values():
             g.shutdown()
         for pool in self.pools:
@@ -50,7 +59,7 @@ def _train_roles(cfg: TrainConfig) -> tuple[str, ...]:
     roles: list[str] = []
     if cfg.resources.mode != "separate_async":
         roles.append("rollout")
-    if cfg.reward.pool == "colocated":
+    if cfg.reward.pool == "colocated" and cfg.uses_reward_model:
         roles.append("reward")
     roles.append("actor")
     if algo.use_reference:
@@ -65,6 +74,7 @@ def _spec(cfg: TrainConfig, models: ResolvedModels, roles: tuple[str, ...]) -> W
         roles=roles,
         policy_path=models.policy,
         tokenizer_path=models.tokenizer,
+        reference_path=models.reference,
         reward_model_path=models.reward_model,
         critic_path=models.critic,
         device=cfg.resources.device,
@@ -87,7 +97,7 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
 
     res = cfg.resources
     separate = res.mode == "separate_async"
-    own_reward = cfg.reward.pool == "own"
+    own_reward = cfg.reward.pool == "own" and cfg.uses_reward_model
     devices = res.num_workers + (res.rollout_workers if separate else 0) + (1 if own_reward else 0)
     started = ensure_ray(res, pools_devices=devices)
     timeout = cfg.orchestration.call_timeout_s
@@ -100,7 +110,8 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
             train_pool, _spec(cfg, models, _train_roles(cfg)), call_timeout_s=timeout
         )
         # 2. Optional own pools for the reward model and the rollout.
-        reward = rollout = train
+        rollout = train
+        reward: WorkerGroup | None = train if "reward" in train.roles else None
         if own_reward:
             pool = create_pool("reward", 1, accelerator=res.accelerator_resource)
             pools.append(pool)
@@ -109,8 +120,17 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
             pool = create_pool("rollout", res.rollout_workers, accelerator=res.accelerator_resource)
             pools.append(pool)
             rollout = WorkerGroup(pool, _spec(cfg, models, ("rollout",)), call_timeout_s=timeout)
-        # 3. The store.
+        # 3. The store, 4. the reward-function processes.
         store = open_store(cfg.store.url)
+        functions = None
+        if cfg.reward.functions:
+            from infra.reward_functions import RewardFunctionPool
+
+            functions = RewardFunctionPool(
+                cfg.reward.functions,
+                workers=cfg.reward.function_workers,
+                timeout_s=cfg.reward.function_timeout_s,
+            )
     except BaseException:
         for pool in pools:
             pool.release()
@@ -126,4 +146,5 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
         rollout_group=rollout,
         pools=pools,
         started_ray=started,
+        reward_pool=functions,
     )

@@ -1,7 +1,8 @@
 """The PPO training flow: ``ppo_train(config)``.
 
-1. Resolve models (the reward-model subflow builds tiny assets, warm-starts the policy and trains
-   a reward model when no checkpoints are given).
+1. Check the inputs (model folders, datasets, reward functions); resolve the models (on the
+   built-in task the reward-model subflow builds tiny assets, warm-starts the policy and trains
+   a reward model); render every prompt (``data.max_prompt_length``) — all before any resource.
 2. Start/attach Ray, reserve resource pools, start the workers (all models asleep), open the store.
 3. Run the iterations (flows.loop): one Prefect task per stage per step, checkpoints, metrics.
 4. Write the reward/KL plot and the summary artifact; release every resource.
@@ -15,7 +16,9 @@ from typing import Any
 
 import yaml
 from prefect import flow, get_run_logger
+from transformers import AutoTokenizer
 
+from flows.inputs import check_inputs, load_datasets
 from flows.loop import Trainer
 from flows.plot import plot_run
 from flows.reward_model import reward_model_flow
@@ -33,13 +36,16 @@ def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B
     (run_dir / "config.yaml").write_text(
         yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     )
-    # 1. Models.
+    # 1. Inputs, models, prompts.
+    check_inputs(cfg)
     models = reward_model_flow(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(models.tokenizer)
+    datasets = load_datasets(cfg, models, tokenizer)
     # 2. Compute and store.
     rt = build_runtime(cfg, models)
     try:
         # 3. Iterations.
-        result = Trainer(cfg, rt, models, run_dir).run()
+        result = Trainer(cfg, rt, models, run_dir, datasets, tokenizer).run()
     finally:
         rt.shutdown()
     # 4. Plot and summary.
@@ -50,9 +56,17 @@ def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B
         "estimator": cfg.algorithm.estimator,
         "SFT held-out accuracy": models.sft_accuracy,
         "RM held-out pair accuracy": models.rm_pair_accuracy,
+        "reward model": models.reward_model or "none",
+        "reward functions": ", ".join(f.label for f in cfg.reward.functions) or "none",
+        **{k: int(v) for k, v in datasets.notes.items()},
     }
     report.summary(plot=plot, checkpoint=result["checkpoint"], extra=extra)
     evals = [r["eval/rule_accuracy"] for r in report.rows if "eval/rule_accuracy" in r]
+    validation: dict[str, list[float]] = {}
+    for row in report.rows:
+        for key, value in row.items():
+            if key.startswith("val-core/"):
+                validation.setdefault(key, []).append(value)
     summary = {
         "run_dir": str(run_dir),
         "steps": len(report.rows),
@@ -61,6 +75,7 @@ def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B
         "rule_accuracy_start": evals[0] if evals else None,
         "rule_accuracy_end": evals[-1] if evals else None,
         "rm_pair_accuracy": models.rm_pair_accuracy,
+        "validation": {k: {"first": v[0], "last": v[-1]} for k, v in validation.items()},
         "checkpoint": str(result["checkpoint"]) if result["checkpoint"] else None,
         "plot": str(plot) if plot else None,
     }

@@ -9,13 +9,20 @@ form from this schema). Derived values are properties, never stored copies.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-Estimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
+Estimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus"]
+ESTIMATOR_ALIASES = {"reinforce_pp": "reinforce_plus_plus"}
+Truncation = Literal["error", "left", "drop"]
+Logger = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+# The optional extra that brings each tracker, and the module whose presence proves it.
+LOGGER_EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+LOGGER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 Mode = Literal["sync", "colocate_async", "separate_async"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLKind = Literal["k1", "abs", "k2", "k3"]
@@ -30,19 +37,29 @@ class _Section(BaseModel):
 
 
 class ModelsConfig(_Section):
-    """Where the models come from. Empty paths mean: build the tiny local assets."""
+    """Where the models come from: local Hugging Face folders (loaded with ``from_pretrained``).
+
+    With no ``policy`` the built-in addition task's tiny assets are built and warm-started."""
 
     assets_dir: Path = Field(
         Path(".ppoflow/assets"), description="Where tiny assets are built (shared by runs)."
     )
     policy: Path | None = Field(
-        None, description="Policy checkpoint (HF folder); None = tiny asset, warm-started."
+        None, description="Policy checkpoint (HF folder); None = the built-in task's tiny policy."
     )
     tokenizer: Path | None = Field(
         None, description="Policy tokenizer folder; None = the policy folder's."
     )
+    reference: Path | None = Field(
+        None, description="Frozen reference policy (HF folder); None = the policy's weights."
+    )
     reward_model: Path | None = Field(
-        None, description="Reward model folder; None = train one (warmstart.reward_model)."
+        None,
+        description=(
+            "Reward model folder (sequence classification, num_labels=1). None = no reward model, "
+            "except on the built-in task, whose warm start trains one (unless "
+            "reward.model_weight is 0)."
+        ),
     )
     critic: Path | None = Field(
         None, description="Critic init; None = the policy weights with a new value head."
@@ -84,9 +101,46 @@ class RolloutConfig(_Section):
     )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    val_temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature of validation (0 = greedy)."
+    )
+    val_n: int = Field(1, ge=1, description="Validation samples per prompt (the n of mean@n).")
+
+
+class RewardFunctionConfig(_Section):
+    """One reward function with verl's signature
+    ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)``
+    returning a float or a dict with ``score`` and extra numbers."""
+
+    path: str | None = Field(
+        None,
+        description=(
+            "A .py file or an importable module; None = a built-in rule named by `name` "
+            "(exact_match, gsm8k)."
+        ),
+    )
+    name: str = Field("compute_score", description="The function's name in the file or module.")
+    weight: float = Field(1.0, description="Its weight in `scores`.")
+
+    @property
+    def label(self) -> str:
+        """``path:name`` (``builtin:name`` for a built-in rule): how errors and metrics name it."""
+        return f"{self.path or 'builtin'}:{self.name}"
 
 
 class RewardConfig(_Section):
+    """The per-sample score: ``model_weight * rm_score + sum(weight_i * function_i)``
+    (+ ``rule_weight * rule``)."""
+
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=list, description="Reward functions (verl's compute_score signature)."
+    )
+    function_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds one reward-function call may take."
+    )
+    function_workers: int = Field(
+        2, ge=1, description="Processes that run reward-function calls in parallel."
+    )
     pool: Literal["colocated", "own"] = Field(
         "colocated",
         description="'colocated': the RM shares the training pool and wakes in turn; 'own': the RM gets its own pool.",
@@ -145,6 +199,13 @@ class AlgorithmConfig(_Section):
         ),
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _estimator_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("estimator") in ESTIMATOR_ALIASES:
+            return {**data, "estimator": ESTIMATOR_ALIASES[data["estimator"]]}
+        return data
+
     @property
     def use_critic(self) -> bool:
         return self.estimator == "gae"
@@ -152,6 +213,51 @@ class AlgorithmConfig(_Section):
     @property
     def use_reference(self) -> bool:
         return self.kl.in_reward or self.kl.loss_coef > 0 or self.kl.monitor
+
+
+class DataConfig(_Section):
+    """Prompt datasets: local Parquet or JSON Lines files in verl's RL layout (``data_source``,
+    ``prompt`` chat messages, ``reward_model.ground_truth``, ``extra_info``), column names
+    settable. No ``train_files`` = the built-in addition task."""
+
+    train_files: list[Path] = Field(
+        default_factory=list, description="Training prompt files (.parquet / .jsonl), concatenated."
+    )
+    val_files: list[Path] = Field(
+        default_factory=list, description="Validation prompt files; none = no validation."
+    )
+    prompt_key: str = Field(
+        "prompt", description="Column of chat messages or a plain string (one user message)."
+    )
+    ground_truth_key: str = Field(
+        "reward_model.ground_truth",
+        description="Column of the ground truth; a dotted path reaches into struct columns.",
+    )
+    data_source_key: str = Field(
+        "data_source", description="Column naming each row's data source (a file's name if absent)."
+    )
+    extra_info_key: str = Field(
+        "extra_info", description="Struct column passed to reward functions as a dict."
+    )
+    max_prompt_length: int = Field(
+        1024, ge=1, description="Prompt tokens after the chat template (see truncation)."
+    )
+    truncation: Truncation = Field(
+        "error",
+        description=(
+            "A longer prompt: 'error' fails the run before any resource is taken, 'left' keeps "
+            "its end, 'drop' skips the row; truncated and dropped rows are counted and logged."
+        ),
+    )
+    shuffle: bool = Field(True, description="Shuffle training prompts each epoch (by seed).")
+    val_max_samples: int | None = Field(
+        None, ge=1, description="Use at most this many validation prompts (None = all)."
+    )
+
+    @property
+    def builtin(self) -> bool:
+        """True when the built-in addition task provides the prompts."""
+        return not self.train_files
 
 
 class OptimConfig(_Section):
@@ -226,6 +332,20 @@ class OrchestrationConfig(_Section):
     )
 
 
+class AlertConfig(_Section):
+    """Emit ``ppoflow.metric.alert`` when ``metric`` is logged below ``below`` or above ``above``."""
+
+    metric: str = Field(description="A metric name, e.g. 'val-core/gsm8k/reward/mean@1'.")
+    below: float | None = Field(None, description="Alert when the value is below this.")
+    above: float | None = Field(None, description="Alert when the value is above this.")
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> AlertConfig:
+        if self.below is None and self.above is None:
+            raise ValueError(f"alert on {self.metric!r} needs 'below' or 'above'")
+        return self
+
+
 class TrainerConfig(_Section):
     total_steps: int = Field(25, ge=1, description="RL iterations.")
     max_seconds: float | None = Field(
@@ -244,6 +364,21 @@ class TrainerConfig(_Section):
         description="At most this many steps per flow run; a scheduled deployment then continues one run.",
     )
     progress_bar: bool = Field(True, description="Terminal progress bar.")
+    loggers: list[Logger] = Field(
+        default_factory=lambda: ["jsonl"],
+        description=(
+            "Experiment trackers: jsonl (metrics.jsonl, always on), tensorboard, wandb (offline "
+            "unless an account is configured), mlflow (a local file store unless "
+            "MLFLOW_TRACKING_URI is set)."
+        ),
+    )
+    alerts: list[AlertConfig] = Field(
+        default_factory=list,
+        description=(
+            "Metric thresholds: a logged value outside one emits a `ppoflow.metric.alert` event "
+            "(an automation can cancel the run on it, see docs/operations.md)."
+        ),
+    )
     artifact_interval_s: float = Field(
         10.0,
         ge=0,
@@ -262,6 +397,7 @@ class TrainConfig(_Section):
     seed: int = Field(0, description="Seed of everything random.")
     run_dir: Path | None = Field(None, description="Run directory; None = runs/<name>.")
     models: ModelsConfig = Field(default_factory=ModelsConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
     warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
@@ -275,7 +411,29 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _check_modes(self) -> TrainConfig:
-        if self.resources.mode == "separate_async" and self.reward.pool == "colocated":
+        if not self.uses_reward_model and not self.reward.functions and not self.reward.rule_weight:
+            raise ValueError(
+                "no reward: set models.reward_model (a reward-model folder) or reward.functions "
+                "(a list of {path, name, weight} reward functions)"
+                + (
+                    ""
+                    if self.models.policy is not None or not self.data.builtin
+                    else "; on the built-in task, warmstart.enabled=true with "
+                    "reward.model_weight != 0 trains a reward model"
+                )
+            )
+        for logger in self.trainer.loggers:
+            module = LOGGER_MODULES.get(logger)
+            if module is not None and importlib.util.find_spec(module) is None:
+                raise ValueError(
+                    f"trainer.loggers names {logger!r} but {module} is not installed: "
+                    f"pip install 'ppoflow[{LOGGER_EXTRAS[logger]}]' or remove it from trainer.loggers"
+                )
+        if (
+            self.resources.mode == "separate_async"
+            and self.reward.pool == "colocated"
+            and self.uses_reward_model
+        ):
             raise ValueError(
                 "resources.mode='separate_async' cannot use a colocated reward model: the rollout never "
                 "pauses, so the devices the reward model would wake on are never free. "
@@ -287,6 +445,19 @@ class TrainConfig(_Section):
                 f"resources.num_workers={self.resources.num_workers}"
             )
         return self
+
+    @property
+    def warm_start(self) -> bool:
+        """Whether the built-in task's warm start (SFT, then a reward model) runs: only on the
+        built-in data with the built-in policy, never against a user's policy or data."""
+        return self.warmstart.enabled and self.data.builtin and self.models.policy is None
+
+    @property
+    def uses_reward_model(self) -> bool:
+        """A reward model is loaded: one is given, or the built-in warm start trains one."""
+        if self.models.reward_model is not None:
+            return True
+        return self.warm_start and self.reward.model_weight != 0
 
     @property
     def batch_size(self) -> int:
@@ -350,23 +521,50 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _problem(err: Any) -> str:
+    message = str(err["msg"]).removeprefix("Value error, ")
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {message}" if where else message
+
+
 def build_config(data: dict[str, Any]) -> TrainConfig:
     """Validate a plain dict; errors name every offending field by its dotted path."""
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-            for err in exc.errors()
-        )
+        problems = "; ".join(_problem(err) for err in exc.errors())
         raise ConfigError(f"invalid ppoflow config: {problems}") from None
+
+
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config file's path: as given when it exists, else a preset shipped with the package
+    (``grpo`` or ``grpo.yaml``, ``examples/...``); a one-line ConfigError names what is missing."""
+    given = Path(path)
+    if given.is_file():
+        return given
+    for candidate in (PRESETS_DIR / given, PRESETS_DIR / given.with_suffix(".yaml")):
+        if candidate.is_file():
+            return candidate
+    if given.is_dir():
+        raise ConfigError(f"--config {given}: is a folder, not a YAML config file")
+    shipped = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")) if PRESETS_DIR.is_dir() else []
+    raise ConfigError(
+        f"--config {given}: no such file (presets shipped with ppoflow: {', '.join(shipped)})"
+    )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML file (optional), apply ``key=value`` overrides, validate."""
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        path = resolve_config_path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         data = loaded or {}

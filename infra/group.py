@@ -31,9 +31,13 @@ def _free_port() -> int:
 
 
 def split(n: int, parts: int) -> list[slice]:
-    """Contiguous, equal shards of ``range(n)`` (n divisible by parts, checked by the config)."""
-    size = n // parts
-    return [slice(i * size, (i + 1) * size) for i in range(parts)]
+    """Contiguous shards of ``range(n)`` covering every index, sizes differing by at most one
+    (equal when ``parts`` divides ``n``, as the config checks for training batches)."""
+    size, extra = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + size + (1 if i < extra else 0))
+    return [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
 def take(j: Jagged, sl: slice) -> Jagged:
@@ -92,10 +96,10 @@ class WorkerGroup:
     def call_sharded(
         self, method: str, shards: list[tuple[tuple[Any, ...], dict[str, Any]]]
     ) -> list[Any]:
-        refs = [
-            getattr(w, method).remote(*a, **k)
-            for w, (a, k) in zip(self.workers, shards, strict=True)
-        ]
+        """One call per shard, shard i on worker i (fewer shards than workers leave the rest idle)."""
+        if len(shards) > len(self.workers):
+            raise ValueError(f"{len(shards)} shards for {len(self.workers)} workers of {method}")
+        refs = [getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, shards)]
         return list(self.get(refs, method))
 
     def shutdown(self) -> None:

@@ -40,6 +40,7 @@ class WorkerSpec:
     roles: tuple[str, ...]
     policy_path: str
     tokenizer_path: str
+    reference_path: str | None = None
     reward_model_path: str | None = None
     critic_path: str | None = None
     device: str = "cpu"
@@ -56,6 +57,32 @@ class WorkerSpec:
     reward_batch_size: int = 64
     reward_max_length: int | None = None
     total_steps: int = 1
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The pad id; tokenizers without one (Llama-3 style) pad with EOS (padding is masked)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def stop_token_ids(tokenizer: Any, model_path: str) -> tuple[int, ...]:
+    """Tokens that end a response: the tokenizer's EOS and the model's generation-config EOS
+    ids (chat models end a turn with e.g. ``<|im_end|>`` or ``<|eot_id|>``)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    for value in [eos] if isinstance(eos, int) else list(eos or []):
+        if int(value) not in ids:
+            ids.append(int(value))
+    return tuple(ids)
 
 
 def _seed_everything(seed: int) -> None:
@@ -102,8 +129,8 @@ class PPOWorker:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
-        self.pad_id = int(self.tokenizer.pad_token_id)
-        self.eos_id = int(self.tokenizer.eos_token_id)
+        self.eos_ids = stop_token_ids(self.tokenizer, spec.policy_path)
+        self.pad_id = pad_token_id(self.tokenizer)
         for role in spec.roles:
             if role not in ROLES:
                 raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
@@ -130,7 +157,7 @@ class PPOWorker:
             self.spec.policy_path,
             device=self.spec.device,
             dtype=self.dtype,
-            eos_token_id=self.eos_id,
+            eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
         )
         self.group.register("rollout", self.engine)
@@ -172,7 +199,8 @@ class PPOWorker:
 
         from infra.colocate import TrainableModel
 
-        model = AutoModelForCausalLM.from_pretrained(self.spec.policy_path, dtype=self.dtype)
+        path = self.spec.reference_path or self.spec.policy_path
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         fuse_activations(model)
         model.requires_grad_(False).eval()
         self.ref = TrainableModel(model, None, device=self.spec.device)

@@ -140,6 +140,8 @@ VOCABULARY: Mapping[str, FieldSpec] = MappingProxyType(
         "response_ids": FieldSpec.jagged(torch.int64),
         "raw_prompt": FieldSpec.objects(),
         "ground_truth": FieldSpec.objects(),
+        "data_source": FieldSpec.objects(),
+        "extra_info": FieldSpec.objects(),
         "group_ids": FieldSpec.dense(torch.int64),
         "response_mask": FieldSpec.jagged(torch.bool),
         "rollout_logprobs": FieldSpec.jagged(torch.float32),

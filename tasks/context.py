@@ -1,4 +1,5 @@
-"""What every stage task needs besides its ``BatchMeta``: the store, the config, the worker groups.
+"""What every stage task needs besides its ``BatchMeta``: the store, the config, the worker
+groups and the reward-function pool.
 
 A plain class on purpose: Prefect walks dataclasses and dicts in task arguments looking for
 futures, and this object holds a store and Ray actor handles that it must not walk.
@@ -25,14 +26,16 @@ class StageContext:
         reward_group: Any | None = None,
         rollout_group: Any | None = None,
         kl_controller: Any | None = None,
+        reward_pool: Any | None = None,
     ) -> None:
         self.cfg = cfg
         self.store = store
         self.tokenizer = tokenizer
         self.train_group = train_group
-        self.reward_group = reward_group or train_group
+        self.reward_group = reward_group  # None: no reward model in this run
         self.rollout_group = rollout_group or train_group
         self.kl_controller = kl_controller
+        self.reward_pool = reward_pool  # None: no reward functions
         self.metrics: dict[int, dict[str, float]] = defaultdict(dict)
 
     def record(self, step: int, values: dict[str, float]) -> None:

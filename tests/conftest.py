@@ -105,10 +105,12 @@ def assets(session_tmp: Path) -> object:
 
 @pytest.fixture()
 def tiny_overrides(assets: object, tmp_path: Path) -> list[str]:
-    """CLI-style overrides that point a tiny run at the session's assets (no warm start)."""
+    """CLI-style overrides that point a tiny run at the session's assets (no warm start; the
+    tiny untrained reward model is the reward)."""
     return [
         f"models.assets_dir={assets.root}",  # type: ignore[attr-defined]
         "warmstart.enabled=false",
+        f"models.reward_model={assets.reward_model}",  # type: ignore[attr-defined]
         f"run_dir={tmp_path / 'run'}",
         "resources.num_cpus=4",
     ]

@@ -77,7 +77,7 @@ ESTIMATORS: dict[str, Callable[[AlgorithmConfig, dict[str, Tensor]], tuple[Tenso
     "gae": _gae,
     "grpo": _grpo,
     "rloo": _rloo,
-    "reinforce_pp": _reinforce_pp,
+    "reinforce_plus_plus": _reinforce_pp,
 }
 
 

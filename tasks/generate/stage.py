@@ -22,7 +22,7 @@ from tasks.io import read, write
 
 READS = ("prompt_ids",)
 WRITES = ("response_ids", "rollout_logprobs", "group_ids", "rollout_version")
-PROMPT_FIELDS = ("prompt_ids", "raw_prompt", "ground_truth")
+PROMPT_FIELDS = ("prompt_ids", "raw_prompt", "ground_truth", "data_source", "extra_info")
 
 
 def sample_keys(uids: list[str], n: int) -> list[str]:
@@ -38,19 +38,35 @@ def prompt_token_ids(tokenizer: Any, raw_prompt: Any) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def submit_prompts(ctx: StageContext, *, partition_id: str, rows: list[Any]) -> BatchMeta:
-    """Put the prompt fields of ``rows`` (PromptRow-like: uid, raw_prompt, ground_truth) for every sample key."""
-    n = ctx.cfg.rollout.n
-    ids = [prompt_token_ids(ctx.tokenizer, row.raw_prompt) for row in rows]
+def row_prompt_ids(tokenizer: Any, row: Any) -> torch.Tensor:
+    """A row's rendered prompt ids (``infra.data.render_prompts`` fills them) as a tensor."""
+    ids = getattr(row, "prompt_ids", ())
+    if len(ids):
+        return torch.tensor(ids, dtype=torch.int64)
+    return prompt_token_ids(tokenizer, row.raw_prompt)
+
+
+def submit_prompts(
+    ctx: StageContext, *, partition_id: str, rows: list[Any], n: int | None = None
+) -> BatchMeta:
+    """Put the prompt fields of ``rows`` (``infra.data.PromptRow``) for every sample key."""
+    n = ctx.cfg.rollout.n if n is None else n
+    ids = [row_prompt_ids(ctx.tokenizer, row) for row in rows]
     keys = sample_keys([row.uid for row in rows], n)
     meta = BatchMeta(partition_id=partition_id, keys=tuple(keys), fields=())
+
+    def each(values: list[Any]) -> list[Any]:
+        return [v for v in values for _ in range(n)]
+
     return write(
         ctx,
         meta,
         {
-            "prompt_ids": Jagged.from_rows([p for p in ids for _ in range(n)]),
-            "raw_prompt": [row.raw_prompt for row in rows for _ in range(n)],
-            "ground_truth": [row.ground_truth for row in rows for _ in range(n)],
+            "prompt_ids": Jagged.from_rows(each(ids)),
+            "raw_prompt": each([row.raw_prompt for row in rows]),
+            "ground_truth": each([row.ground_truth for row in rows]),
+            "data_source": each([getattr(row, "data_source", "addition") for row in rows]),
+            "extra_info": each([dict(getattr(row, "extra_info", {}) or {}) for row in rows]),
         },
     )
 
@@ -59,18 +75,30 @@ def generation_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
 
 
-def _generate_one(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
-    n = ctx.cfg.rollout.n
+def generate_partition(
+    ctx: StageContext,
+    meta: BatchMeta,
+    *,
+    seed: int,
+    n: int | None = None,
+    temperature: float | None = None,
+) -> BatchMeta:
+    """Generate ``n`` responses for each prompt group of ``meta`` and write them (the rollout
+    settings unless ``n``/``temperature`` are given, as validation does)."""
+    n = ctx.cfg.rollout.n if n is None else n
+    extra = {} if temperature is None else {"temperature": temperature}
     # 1. The prompt rows (first sample of each group).
     prompt_meta = BatchMeta(meta.partition_id, meta.keys[::n], ())
     prompts: Jagged = read(ctx, prompt_meta, READS)["prompt_ids"]
     # 2. Generate, sharded by prompt over the rollout workers.
     group = ctx.rollout_group
-    shards = split(len(prompts), group.size)
-    seed = generation_seed(ctx.cfg.seed, step)
+    shards = [sl for sl in split(len(prompts), group.size) if sl.stop > sl.start]
     outs = group.call_sharded(
         "generate",
-        [((take(prompts, sl),), {"n": n, "seed": seed + rank}) for rank, sl in enumerate(shards)],
+        [
+            ((take(prompts, sl),), {"n": n, "seed": seed + rank, **extra})
+            for rank, sl in enumerate(shards)
+        ],
     )
     responses = concat([o[0] for o in outs])
     logprobs = concat([o[1] for o in outs])
@@ -98,5 +126,6 @@ def generate(ctx: StageContext, metas: list[BatchMeta], step: int) -> list[Batch
         if all("response_ids" in done.get(k, ()) for k in meta.keys):
             out.append(meta.with_fields(*WRITES))  # produced ahead of time (colocate_async)
             continue
-        out.append(_generate_one(ctx, meta, step + offset))
+        seed = generation_seed(ctx.cfg.seed, step + offset)
+        out.append(generate_partition(ctx, meta, seed=seed))
     return out

@@ -24,6 +24,7 @@ def _command(assets, run_dir: Path) -> list[str]:
     return [
         sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
         f"models.assets_dir={assets.root}", "warmstart.enabled=false", f"run_dir={run_dir}",
+        f"models.reward_model={assets.reward_model}",
         f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2", "trainer.eval_every=100",
         "resources.num_cpus=2",
     ]  # fmt: skip

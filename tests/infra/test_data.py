@@ -7,7 +7,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from infra.data import PromptDataset, PromptRow, addition_rule, make_addition_dataset
+from infra.data import (
+    DataError,
+    PromptDataset,
+    PromptRow,
+    addition_rule,
+    make_addition_dataset,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +69,11 @@ def test_cursor_wraps_epochs_visiting_every_row_once_per_epoch(
     epoch0 = _uids(dataset.next_batch(300)) + _uids(dataset.next_batch(300))  # crosses into epoch 1
     assert sorted(epoch0[:500]) == sorted(_uids(dataset.rows))
     assert dataset.state_dict()["epoch"] == 1 and dataset.state_dict()["index"] == 100
-    assert epoch0[500:] != epoch0[:100]  # epoch 1 has its own permutation
-    assert len(dataset.next_batch(1200)) == 1200  # more than one epoch in one batch
+    assert all(uid.endswith("@1") for uid in epoch0[500:])  # epoch 1 tags its uids
+    assert [uid.removesuffix("@1") for uid in epoch0[500:]] != epoch0[:100]  # own permutation
+    assert len(set(epoch0[300:])) == 300  # the batch that wrapped holds distinct uids
+    with pytest.raises(DataError, match="rollout.prompts_per_step"):
+        dataset.next_batch(501)  # more than the dataset in one batch
     assert dataset.next_batch(0) == []
 
 

@@ -1,0 +1,150 @@
+"""A run's inputs, checked and loaded before any resource is taken.
+
+``check_inputs(cfg)`` fails with one-line errors naming the setting: model folders that do not
+exist (a hub id is not a local folder), dataset files, reward-function files and functions.
+``load_datasets(cfg, models, tokenizer)`` reads the prompt files, renders every prompt with the
+policy tokenizer's chat template and applies ``data.max_prompt_length`` / ``data.truncation``
+(``error`` fails here, naming the file and the row). Both run in the CLI before the flow starts
+and again at the start of the flow (a deployment run has no CLI in front of it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infra.config import ConfigError, TrainConfig
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class InputError(ConfigError):
+    """A model folder, dataset file or reward function a setting names is missing or broken."""
+
+
+def _check_folder(setting: str, path: Path | None) -> None:
+    if path is None or path.is_dir():
+        return
+    if path.exists():
+        raise InputError(f"{setting}={path}: not a folder (a Hugging Face model folder is needed)")
+    hint = ""
+    if _HUB_ID.match(str(path)):
+        offline = os.environ.get("HF_HUB_OFFLINE", "") in ("1", "true", "True")
+        hint = (
+            " — it looks like a hub id, and ppoflow loads local folders only"
+            + (" (the hub is offline here: HF_HUB_OFFLINE=1)" if offline else "")
+            + f": download it first (`huggingface-cli download {path} --local-dir DIR`) and set "
+            f"{setting}=DIR"
+        )
+    raise InputError(f"{setting}={path}: no such folder{hint}")
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """Every path a setting names exists, and every reward function loads."""
+    from infra.reward_functions import check_reward_functions
+
+    m = cfg.models
+    for setting in ("policy", "tokenizer", "reference", "reward_model", "critic"):
+        _check_folder(f"models.{setting}", getattr(m, setting))
+    for setting, files in (
+        ("data.train_files", cfg.data.train_files),
+        ("data.val_files", cfg.data.val_files),
+    ):
+        for index, path in enumerate(files):
+            if not path.is_file():
+                raise InputError(f"{setting}[{index}]={path}: no such file")
+    try:
+        check_reward_functions(cfg.reward.functions)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+@dataclass
+class Datasets:
+    """The training prompts, the validation prompts (None: no validation) and what rendering
+    them dropped or truncated."""
+
+    train: Any
+    val: Any | None
+    notes: dict[str, float]
+
+
+def _rendered(cfg: TrainConfig, files: list[Path], tokenizer: Any, setting: str) -> Any:
+    from infra.data import read_rl_rows, render_prompts
+
+    rows = read_rl_rows(files, cfg.data, setting=setting)
+    return render_prompts(
+        rows,
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        truncation=cfg.data.truncation,
+        setting=setting,
+    )
+
+
+def load_datasets(cfg: TrainConfig, models: Any, tokenizer: Any) -> Datasets:
+    """The run's prompt datasets, every prompt rendered to token ids (see the module docstring)."""
+    from infra.data import PromptDataset, read_prompt_rows, render_prompts
+
+    data = cfg.data
+    if data.builtin:
+        # The built-in addition task: its train file, and its held-out file for the rule accuracy.
+        rows = read_prompt_rows(Path(models.train_data))
+        train = render_prompts(
+            rows,
+            tokenizer,
+            max_prompt_length=data.max_prompt_length,
+            truncation="error",
+            setting="data.train_files",
+        )
+        return Datasets(
+            train=PromptDataset.from_rows(
+                train.rows, seed=cfg.seed, shuffle=data.shuffle, name="addition"
+            ),
+            val=None,
+            notes={},
+        )
+    train = _rendered(cfg, data.train_files, tokenizer, "data.train_files")
+    notes = {
+        "data/train_prompts": float(len(train.rows)),
+        "data/train_truncated": float(train.truncated),
+        "data/train_dropped": float(train.dropped),
+    }
+    val = None
+    if data.val_files:
+        rendered = _rendered(cfg, data.val_files, tokenizer, "data.val_files")
+        rows = rendered.rows[: data.val_max_samples] if data.val_max_samples else rendered.rows
+        val = rows
+        notes.update(
+            {
+                "data/val_prompts": float(len(rows)),
+                "data/val_truncated": float(rendered.truncated),
+                "data/val_dropped": float(rendered.dropped),
+            }
+        )
+    return Datasets(
+        train=PromptDataset.from_rows(
+            train.rows, seed=cfg.seed, shuffle=data.shuffle, name="train"
+        ),
+        val=val,
+        notes=notes,
+    )
+
+
+def heldout_rows(cfg: TrainConfig, models: Any, tokenizer: Any) -> list[Any]:
+    """The built-in task's held-out prompts for the rule accuracy (first ``trainer.eval_prompts``)."""
+    from infra.data import read_prompt_rows, render_prompts
+
+    rows = read_prompt_rows(Path(models.heldout_data))[: cfg.trainer.eval_prompts]
+    return list(
+        render_prompts(
+            rows,
+            tokenizer,
+            max_prompt_length=cfg.data.max_prompt_length,
+            truncation="error",
+            setting="data.val_files",
+        ).rows
+    )

@@ -1,0 +1,1 @@
+"""validate: the policy answers held-out prompts; every reward scores them."""
