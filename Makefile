@@ -9,12 +9,13 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# torch==2.13.0 first keeps the CPU build; the rest resolves against it.
+# torch==2.13.0 first keeps the CPU build; the rest resolves against it, pinned to the tested
+# set of .ci/constraints.txt (pyproject.toml keeps ranges; .ci/lower-bounds tests their floors).
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 numpy
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q torch==2.13.0 numpy -c .ci/constraints.txt
+	$(PY) -m pip install -q -e '.[test]' -c .ci/constraints.txt
 	touch $(STAMP)
 
 train: venv

@@ -10,6 +10,14 @@
 ``{"config": {...}}`` parameter validated by ``TrainConfig`` before anything is registered. The
 registered deployments keep ``enforce_parameter_schema``, so the server also refuses a run whose
 parameters break the schema, and the flow refuses the cross-field checks before any work.
+Without a ``./prefect.yaml`` the one shipped with the package (``infra/prefect.yaml``, module
+entrypoints such as ``flows.train.ppo_train``) is used, and its runs work in the current folder.
+
+A run's ``config`` is a partial TrainConfig laid over its deployment's preset field by field
+(``effective_config``): Prefect itself replaces a parameter whole, so without this a run that sets
+``trainer.total_steps`` would lose the preset's ``name``, ``run_dir`` and every other section.
+Flow runs are named after the config and the steps they will run (``flow_run_name``), e.g.
+``tiny-smoke[steps 2-3]``.
 """
 
 from __future__ import annotations
@@ -22,21 +30,44 @@ from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from infra.config import ConfigError, build_config
+from flows.checkpoint import latest_checkpoint, read_state
+from infra.config import ConfigError, TrainConfig, _merge, build_config
 
 if TYPE_CHECKING:
     from prefect import Flow
     from prefect.deployments.runner import RunnerDeployment
     from prefect.schedules import Schedule
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PREFECT_YAML = REPO_ROOT / "prefect.yaml"
+PREFECT_YAML = "prefect.yaml"
+# Shipped in the wheel (package data of ``infra``); a checkout's ./prefect.yaml links to it.
+PACKAGED_PREFECT_YAML = Path(__file__).resolve().parents[1] / "infra" / PREFECT_YAML
 
 
 class DeploymentError(ValueError):
     """``prefect.yaml`` is invalid or names something that does not exist; says which entry."""
+
+
+def split_entrypoint(entrypoint: str) -> tuple[str, str]:
+    """``flows.train.ppo_train`` or ``flows/train.py:ppo_train`` → ``("flows.train", "ppo_train")``."""
+    path, colon, func = entrypoint.rpartition(":")
+    if colon and path.endswith(".py") and func:
+        return path[: -len(".py")].replace("/", "."), func
+    module, dot, func = entrypoint.rpartition(".")
+    if not colon and dot and module and func:
+        return module, func
+    raise ValueError(
+        f"{entrypoint!r} must look like 'flows.train.ppo_train' (a module) or "
+        "'flows/train.py:ppo_train' (a file); Prefect reads 'module:function' as a file path"
+    )
 
 
 class ScheduleSpec(BaseModel):
@@ -81,7 +112,12 @@ class DeploymentSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(description="Deployment name = the parameter preset's name.")
-    entrypoint: str = Field(description="'path/to/file.py:flow_function', relative to the file.")
+    entrypoint: str = Field(
+        description=(
+            "'flows.train.ppo_train' (a module of an installed package) or "
+            "'flows/train.py:ppo_train' (a file, relative to prefect.yaml's folder)."
+        )
+    )
     description: str | None = None
     tags: list[str] = Field(default_factory=list)
     version: str | None = None
@@ -92,16 +128,15 @@ class DeploymentSpec(BaseModel):
     schedules: list[ScheduleSpec] | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, entrypoint: str) -> str:
+        split_entrypoint(entrypoint)
+        return entrypoint
+
     @property
     def module_and_function(self) -> tuple[str, str]:
-        """``flows/train.py:ppo_train`` → ``("flows.train", "ppo_train")``."""
-        path, sep, func = self.entrypoint.partition(":")
-        if not sep or not path.endswith(".py"):
-            raise DeploymentError(
-                f"deployment {self.name!r}: entrypoint {self.entrypoint!r} must look like "
-                "'flows/train.py:ppo_train'"
-            )
-        return path[: -len(".py")].replace("/", "."), func
+        return split_entrypoint(self.entrypoint)
 
     @property
     def prefect_schedules(self) -> list[Schedule]:
@@ -122,15 +157,36 @@ def check_parameters(spec: DeploymentSpec) -> None:
         raise DeploymentError(f"deployment {spec.name!r}: parameters.config: {exc}") from None
 
 
+def resolve_prefect_yaml(path: str | Path | None = None) -> Path:
+    """The deployments file: ``path`` when given; ``./prefect.yaml`` when it exists (a bare
+    ``prefect.yaml`` too), else the one shipped with the package."""
+    if path is not None and Path(path) != Path(PREFECT_YAML):
+        return Path(path)
+    local = Path(PREFECT_YAML)
+    return local if local.is_file() else PACKAGED_PREFECT_YAML
+
+
+def working_folder(prefect_yaml: Path) -> Path:
+    """Where deployed runs work (relative run_dir and assets_dir resolve here): the folder of
+    the user's prefect.yaml, or the current folder for the packaged one."""
+    if prefect_yaml.absolute() == PACKAGED_PREFECT_YAML:  # a checkout's link is not it
+        return Path.cwd()
+    return prefect_yaml.absolute().parent
+
+
 def read_prefect_yaml(
-    path: str | Path = DEFAULT_PREFECT_YAML, names: Sequence[str] | None = None
+    path: str | Path | None = None, names: Sequence[str] | None = None
 ) -> list[DeploymentSpec]:
     """Parse and validate ``deployments:`` (all, or those named), presets included."""
-    path = Path(path)
+    path = resolve_prefect_yaml(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise DeploymentError(f"{path}: cannot read it: {exc}") from None
+    except OSError as exc:
+        raise DeploymentError(
+            f"{path}: cannot read it ({exc.strerror}); give another with --prefect-yaml PATH"
+        ) from None
+    except yaml.YAMLError as exc:
+        raise DeploymentError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
     specs: list[DeploymentSpec] = []
     for i, entry in enumerate(data.get("deployments") or []):
         label = entry.get("name", f"#{i}") if isinstance(entry, dict) else f"#{i}"
@@ -138,7 +194,8 @@ def read_prefect_yaml(
             spec = DeploymentSpec.model_validate(entry)
         except ValidationError as exc:
             problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or '<entry>'}: {err['msg']}"
+                f"{'.'.join(str(p) for p in err['loc']) or '<entry>'}: "
+                f"{str(err['msg']).removeprefix('Value error, ')}"
                 for err in exc.errors()
             )
             raise DeploymentError(f"{path}: deployment {label!r}: {problems}") from None
@@ -181,20 +238,21 @@ def ensure_work_pool(name: str) -> bool:
 
 
 def deploy_all(
-    prefect_yaml: str | Path = DEFAULT_PREFECT_YAML, names: Sequence[str] | None = None
+    prefect_yaml: str | Path | None = None, names: Sequence[str] | None = None
 ) -> dict[str, UUID]:
     """Register the deployments of ``prefect_yaml`` (all, or those named) on the Prefect server.
 
     1. Read and validate every entry and preset first: nothing is registered if one is bad.
     2. Create each named work pool that is missing (type 'process').
-    3. ``flow.from_source(<folder of prefect.yaml>, entrypoint).deploy(...)``: the worker then
-       runs the flow in that folder (a ``set_working_directory`` pull step).
+    3. ``flow.from_source(<working folder>, entrypoint).deploy(...)``: the worker then runs
+       the flow in that folder (a ``set_working_directory`` pull step; see ``working_folder``).
     Returns ``{"<flow>/<deployment>": deployment id}``.
     """
     from prefect import Flow
 
-    path = Path(prefect_yaml).resolve()
+    path = resolve_prefect_yaml(prefect_yaml)
     specs = read_prefect_yaml(path, names)
+    folder = working_folder(path)
     for spec in specs:
         if spec.work_pool is None:
             raise DeploymentError(
@@ -209,7 +267,7 @@ def deploy_all(
         # Both calls are sync here (Prefect dispatches on the caller's context).
         flow_obj = cast(
             "Flow[..., Any]",
-            Flow.from_source(source=str(path.parent), entrypoint=spec.entrypoint),
+            Flow.from_source(source=str(folder), entrypoint=spec.entrypoint),
         )
         deployment_id = flow_obj.deploy(
             name=spec.name,
@@ -269,7 +327,7 @@ def runner_deployments(specs: Sequence[DeploymentSpec]) -> list[RunnerDeployment
 def serve_all(
     names: list[str] | None = None,
     *,
-    prefect_yaml: str | Path = DEFAULT_PREFECT_YAML,
+    prefect_yaml: str | Path | None = None,
     limit: int | None = None,
 ) -> None:
     """Serve the deployments of ``prefect_yaml`` (all, or those named) until interrupted.
@@ -280,3 +338,79 @@ def serve_all(
     from prefect import serve
 
     serve(*runner_deployments(read_prefect_yaml(prefect_yaml, names)), limit=limit)
+
+
+# ---------------------------------------------------------------------- inside a flow run
+def deployment_preset() -> dict[str, Any] | None:
+    """The ``config`` parameter of the deployment this flow run was created from, read from the
+    server; None outside a flow run, for a run of no deployment, or a deployment without one.
+
+    ``prefect.runtime.deployment.parameters`` is not it: that is the run's own parameters."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    run = ctx.flow_run if ctx is not None else None
+    if run is None or run.deployment_id is None:
+        return None
+    with get_client(sync_client=True) as client:
+        preset = client.read_deployment(run.deployment_id).parameters.get("config")
+    return preset if isinstance(preset, dict) else None
+
+
+def effective_tree(config: TrainConfig) -> dict[str, Any] | None:
+    """The fields ``config`` set explicitly laid over its deployment's preset, section by
+    section, not validated yet; None outside a deployment run."""
+    preset = deployment_preset()
+    if preset is None:
+        return None
+    return _merge(preset, config.model_dump(mode="json", exclude_unset=True))
+
+
+def effective_config(config: TrainConfig) -> TrainConfig:
+    """``config`` laid over its deployment's preset (``effective_tree``) and validated again:
+    every field the run did not set keeps the preset's value. Outside a deployment run
+    ``config`` is returned as is. Raises ConfigError when the merge is invalid."""
+    tree = effective_tree(config)
+    return config if tree is None else build_config(tree)
+
+
+def planned_steps(cfg: TrainConfig) -> range:
+    """The steps a flow run of ``cfg`` will run, chosen as ``flows.loop.Trainer.run`` does: from
+    the step after the latest checkpoint in run_dir (``trainer.resume='auto'``), at most
+    ``trainer.steps_per_run`` of them, never past ``trainer.total_steps``."""
+    ckpt = latest_checkpoint(cfg.resolved_run_dir) if cfg.trainer.resume == "auto" else None
+    first = 0 if ckpt is None else int(read_state(ckpt)["step"]) + 1
+    per_run, total = cfg.trainer.steps_per_run, cfg.trainer.total_steps
+    return range(first, total if per_run is None else min(total, first + per_run))
+
+
+def run_name(cfg: TrainConfig, steps: range) -> str:
+    """``tiny-smoke[steps 2-3]``, ``tiny-smoke[step 3]``, ``tiny-smoke[all 4 steps done]``."""
+    if not steps:
+        return f"{cfg.name}[all {cfg.trainer.total_steps} steps done]"
+    if len(steps) == 1:
+        return f"{cfg.name}[step {steps[0]}]"
+    return f"{cfg.name}[steps {steps[0]}-{steps[-1]}]"
+
+
+def flow_run_name() -> str:
+    """The training flow's run name, for ``@flow(flow_run_name=flow_run_name)``: the effective
+    config's name and planned steps. A config the merge refuses names the run
+    ``<name>[invalid config]``; the flow body then fails with the ConfigError."""
+    from prefect.runtime import flow_run
+
+    config = flow_run.parameters.get("config")
+    if not isinstance(config, TrainConfig):  # validated before naming: a TrainConfig
+        return "ppo-train[invalid config]"
+    tree = effective_tree(config)
+    try:
+        cfg = config if tree is None else build_config(tree)
+    except ConfigError:
+        assert tree is not None  # only the merge is validated here
+        return f"{tree.get('name', config.name)}[invalid config]"
+    try:
+        steps = planned_steps(cfg)
+    except (OSError, ValueError):  # an unreadable checkpoint state: the flow body reports it
+        return f"{cfg.name}[steps ?]"
+    return run_name(cfg, steps)

@@ -108,6 +108,11 @@ def load_datasets(cfg: TrainConfig, models: Any, tokenizer: Any) -> Datasets:
             notes={},
         )
     train = _rendered(cfg, data.train_files, tokenizer, "data.train_files")
+    if len(train.rows) < cfg.rollout.prompts_per_step:
+        raise InputError(
+            f"data.train_files hold {len(train.rows)} usable prompt(s), fewer than "
+            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: lower it or add prompts"
+        )
     notes = {
         "data/train_prompts": float(len(train.rows)),
         "data/train_truncated": float(train.truncated),

@@ -37,7 +37,7 @@ from tasks.generate.stage import generate, row_prompt_ids, submit_prompts
 from tasks.kl import AdaptiveKLController, FixedKLController
 from tasks.logprobs.stage import logprobs
 from tasks.logprobs.stage import writes as logprob_writes
-from tasks.score.stage import rule_scores, score
+from tasks.score.stage import NonFiniteScoreError, rule_scores, score
 from tasks.update.stage import update
 from tasks.validate.stage import validate
 
@@ -49,6 +49,22 @@ STAGES = {
     "update": update,
     "validate": validate,
 }
+
+
+def retryable(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry a failed stage unless its error would repeat: a reward function that raised or
+    returned a bad value, a non-finite reward-model score (timeouts and lost workers retry)."""
+    from infra.reward_functions import RewardFunctionError
+
+    try:
+        state.result(raise_on_failure=True)
+    except RewardFunctionError as exc:
+        return exc.kind in ("timeout", "died")
+    except NonFiniteScoreError:
+        return False
+    except BaseException:  # noqa: BLE001 - anything else may be transient
+        return True
+    return True
 
 
 def partition_id(step: int) -> str:
@@ -97,6 +113,7 @@ class Trainer:
                 retries=cfg.orchestration.retries,
                 retry_delay_seconds=cfg.orchestration.retry_delay_seconds,
                 timeout_seconds=cfg.orchestration.timeout_seconds,
+                retry_condition_fn=retryable,
             )
             for name, fn in STAGES.items()
         }

@@ -1,13 +1,23 @@
-"""What a user sees of a run: ``metrics.jsonl``, Prefect artifacts (metrics table, progress,
-summary) and one Prefect event per iteration (``ppoflow.iteration.completed``)."""
+"""What a user sees of a run: ``metrics.jsonl``, the experiment trackers of ``trainer.loggers``
+(flows/trackers.py), Prefect artifacts (metrics table, curves, progress, summary), one Prefect
+event per iteration (``ppoflow.iteration.completed``) and one per alert crossing
+(``ppoflow.metric.alert``, from ``trainer.alerts``).
+
+The curves artifact is markdown holding the reward/KL/validation plot as a PNG data URI (the
+Prefect UI renders ``data:image/...`` sources in markdown artifacts, and the image travels with
+the server's database, unlike a link to a file on the training machine). It is refreshed with
+the metrics table, at most every ``trainer.artifact_interval_s``, in place (one version).
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -18,9 +28,16 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.events import emit_event
 
+from flows.plot import curves_png
+from flows.trackers import JSONL, Tracker, TrackerRun, check_names, open_tracker
+from infra.config import AlertConfig
+
 ITERATION_EVENT = "ppoflow.iteration.completed"
+ALERT_EVENT = "ppoflow.metric.alert"
 TABLE_COLUMNS = (
     "step",
     "critic/score/mean",
@@ -41,6 +58,19 @@ def artifact_key(name: str, suffix: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", f"{name}-{suffix}".lower()).strip("-")
 
 
+def outside(alert: AlertConfig, value: float) -> bool:
+    """Whether ``value`` is below the alert's ``below`` or above its ``above``."""
+    return (alert.below is not None and value < alert.below) or (
+        alert.above is not None and value > alert.above
+    )
+
+
+def curves_markdown(rows: Sequence[dict[str, Any]], name: str) -> str:
+    """The curves of ``rows`` as a markdown image with a PNG data URI."""
+    png = base64.b64encode(curves_png(rows, name)).decode("ascii")
+    return f"![reward, KL and validation curves of run {name}](data:image/png;base64,{png})"
+
+
 class RunReport:
     """Appends metrics and keeps the run's Prefect artifacts up to date."""
 
@@ -53,6 +83,9 @@ class RunReport:
         start_step: int,
         progress_bar: bool = True,
         artifact_interval_s: float = 0.0,
+        loggers: Sequence[str] = (JSONL,),
+        alerts: Sequence[AlertConfig] = (),
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.bar: Any = None
@@ -66,6 +99,25 @@ class RunReport:
         self.artifact_interval_s = artifact_interval_s
         self._published_at = -math.inf
         self._unpublished: int | None = None  # the last step not yet in the artifacts
+        self.curves_id: UUID | None = None
+        self.alerts = list(alerts)
+        self._outside = [False] * len(self.alerts)  # per alert: was its last value outside?
+        check_names(loggers)
+        run = TrackerRun(run_dir=run_dir, name=name, start_step=start_step, config=config)
+        self.trackers = self._open_trackers([n for n in dict.fromkeys(loggers) if n != JSONL], run)
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        print(f"[{self.name}] {what}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    def _open_trackers(self, names: list[str], run: TrackerRun) -> dict[str, Tracker]:
+        """The trackers that open; one that fails is reported and left out of the run."""
+        trackers: dict[str, Tracker] = {}
+        for name in names:
+            try:
+                trackers[name] = open_tracker(name, run)
+            except Exception as exc:  # noqa: BLE001 - a tracker never stops a run
+                self._warn(f"tracker {name!r} did not start, the run goes on without it", exc)
+        return trackers
 
     def _load(self, start_step: int) -> list[dict[str, Any]]:
         """Rows of steps before ``start_step`` (later ones belong to an interrupted attempt)."""
@@ -107,6 +159,8 @@ class RunReport:
         self.rows.append(row)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
+        self._track(step, {k: v for k, v in row.items() if k != "step"})
+        self._check_alerts(step, row)
         self._unpublished = step
         due = time.monotonic() - self._published_at >= self.artifact_interval_s
         if due or step + 1 >= self.total:
@@ -114,11 +168,59 @@ class RunReport:
         self._show(step, row)
         emit_event(
             event=ITERATION_EVENT,
-            resource={
-                "prefect.resource.id": f"ppoflow.run.{self.name}",
-                "prefect.resource.name": self.name,
-            },
+            resource=self._resource,
             payload={"step": step, "metrics": row},
+        )
+
+    def _track(self, step: int, metrics: dict[str, float]) -> None:
+        """Hand the row to every tracker; one that fails is reported and dropped."""
+        for name, tracker in list(self.trackers.items()):
+            try:
+                tracker.log(step, metrics)
+            except Exception as exc:  # noqa: BLE001 - a tracker never stops a run
+                self._warn(f"tracker {name!r} failed, no more rows go to it", exc)
+                del self.trackers[name]
+
+    @property
+    def _resource(self) -> dict[str, str]:
+        return {
+            "prefect.resource.id": f"ppoflow.run.{self.name}",
+            "prefect.resource.name": self.name,
+        }
+
+    def _check_alerts(self, step: int, row: dict[str, Any]) -> None:
+        """Emit ``ppoflow.metric.alert`` when an alert's metric goes outside its bounds (once per
+        crossing: a value that stays outside does not emit again until it has come back)."""
+        for i, alert in enumerate(self.alerts):
+            if alert.metric not in row:
+                continue
+            value = float(row[alert.metric])
+            now_outside = outside(alert, value)
+            if now_outside and not self._outside[i]:
+                emit_event(
+                    event=ALERT_EVENT,
+                    resource=self._resource,
+                    payload={
+                        "metric": alert.metric,
+                        "value": value,
+                        "below": alert.below,
+                        "above": alert.above,
+                        "step": step,
+                    },
+                )
+            self._outside[i] = now_outside
+
+    def _publish_curves(self) -> None:
+        """The curves artifact: created on the first publish, then updated in place."""
+        text = curves_markdown(self.rows, self.name)
+        if self.curves_id is not None:
+            with get_client(sync_client=True) as client:
+                client.update_artifact(self.curves_id, ArtifactUpdate(data=text))
+            return
+        self.curves_id = create_markdown_artifact(
+            markdown=text,
+            key=artifact_key(self.name, "curves"),
+            description=f"reward, KL and validation curves of run {self.name}",
         )
 
     def _publish(self) -> None:
@@ -139,6 +241,7 @@ class RunReport:
             key=artifact_key(self.name, "metrics"),
             description=f"per-step metrics of run {self.name}",
         )
+        self._publish_curves()
         if self.progress_id is not None:
             update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
 
@@ -156,16 +259,22 @@ class RunReport:
             print(f"[{self.name}] step {step + 1}/{self.total} {info}", flush=True)
 
     def close(self) -> None:
-        """Publish what is pending and stop the bar. Runs in the training loop's ``finally``: a
-        failed publish is reported, not raised, so it cannot hide the error that ended a run
-        (metrics.jsonl already holds every row)."""
+        """Publish what is pending, close the trackers and stop the bar. Runs in the training
+        loop's ``finally``: a failed publish or tracker is reported, not raised, so it cannot
+        hide the error that ended a run (metrics.jsonl already holds every row)."""
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
         try:
             self._publish()
         except Exception as exc:  # noqa: BLE001 - see the docstring
-            print(f"[{self.name}] could not update the Prefect artifacts: {exc}", file=sys.stderr)
+            self._warn("could not update the Prefect artifacts", exc)
+        for name, tracker in self.trackers.items():
+            try:
+                tracker.close()
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                self._warn(f"tracker {name!r} did not close", exc)
+        self.trackers = {}
 
     def summary(self, *, plot: Path | None, checkpoint: Path | None, extra: dict[str, Any]) -> str:
         first = next((r for r in self.rows if "eval/rule_accuracy" in r), None)
@@ -179,9 +288,11 @@ class RunReport:
             ]
         lines += [f"| {k} | {v} |" for k, v in extra.items()]
         if plot is not None:
-            lines += [f"| reward/KL plot | [{plot.name}]({plot.resolve().as_uri()}) |"]
+            lines += [f"| curves, full size (on the training machine) | `{plot.resolve()}` |"]
         if checkpoint is not None:
             lines += [f"| checkpoint | `{checkpoint.resolve()}` |"]
+        if self.rows:
+            lines += ["", "## Curves", "", curves_markdown(self.rows, self.name)]
         text = "\n".join(lines) + "\n"
         create_markdown_artifact(
             markdown=text, key=artifact_key(self.name, "summary"), description="run summary"

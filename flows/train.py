@@ -18,6 +18,7 @@ import yaml
 from prefect import flow, get_run_logger
 from transformers import AutoTokenizer
 
+from flows.deploy import effective_config, flow_run_name
 from flows.inputs import check_inputs, load_datasets
 from flows.loop import Trainer
 from flows.plot import plot_run
@@ -26,10 +27,10 @@ from flows.runtime import build_runtime
 from infra.config import TrainConfig
 
 
-@flow(name="ppo-train", log_prints=True)
+@flow(name="ppo-train", log_prints=True, flow_run_name=flow_run_name)
 def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B008 - the form's default
     """Train a policy with PPO-family RL from a (colocated) reward model."""
-    cfg = config
+    cfg = effective_config(config)  # a deployment run: laid over its preset
     logger = get_run_logger()
     run_dir = cfg.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,62 +1,20 @@
 """Rule rewards (checked against a ground truth) and the weighted sum of reward components.
 
 Rules are chosen by name through `RULES`; each maps (response_text, ground_truth) to a float.
+The rules live in `infra.reward_functions` (standard library only), which also offers them to
+`reward.functions` with verl's compute_score signature (built-ins `exact_match`, `gsm8k`).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
-from decimal import Decimal, InvalidOperation
 
 import torch
 from torch import Tensor
 
+from infra.reward_functions import exact_match, hash_answer_match, parse_hash_answer
+
 __all__ = ["RULES", "exact_match", "hash_answer_match", "parse_hash_answer", "weighted_sum"]
-
-_HASH_ANSWER = re.compile(r"####\s*([-+]?[0-9][0-9,]*(?:\.[0-9]+)?|[-+]?\.[0-9]+)")
-
-
-def exact_match(response_text: str, ground_truth: str) -> float:
-    """1.0 when the texts are equal after stripping surrounding whitespace, else 0.0."""
-    return 1.0 if response_text.strip() == ground_truth.strip() else 0.0
-
-
-def parse_hash_answer(text: str) -> str | None:
-    """The number after the last `#### ` marker (GSM8K format), commas removed; None if absent.
-
-    "so 1,234 in all\\n#### 1,234" → "1234"; "#### -3.5" → "-3.5".
-    """
-    matches = _HASH_ANSWER.findall(text)
-    if not matches:
-        return None
-    return str(matches[-1]).replace(",", "").lstrip("+")
-
-
-def _as_number(text: str) -> Decimal | None:
-    try:
-        return Decimal(text)
-    except InvalidOperation:
-        return None
-
-
-def hash_answer_match(response_text: str, ground_truth: str) -> float:
-    """1.0 when the response's `#### <number>` equals the ground truth's number, else 0.0.
-
-    The ground truth may be a bare number ("1,234") or text in the same `####` format; numbers
-    compare by value ("72" matches "72.0"). A response without a `####` answer scores 0.0.
-    """
-    answer = parse_hash_answer(response_text)
-    if answer is None:
-        return 0.0
-    truth = parse_hash_answer(ground_truth)
-    if truth is None:
-        truth = ground_truth.strip().replace(",", "")
-    answer_value, truth_value = _as_number(answer), _as_number(truth)
-    if answer_value is None or truth_value is None:
-        return 1.0 if answer == truth else 0.0
-    return 1.0 if answer_value == truth_value else 0.0
-
 
 RULES: dict[str, Callable[[str, str], float]] = {
     "exact_match": exact_match,

@@ -13,6 +13,7 @@
                        for the data source RAISING_SOURCE)
 
 Both tokenizers are trained on the prompts and answers below, so their merges and ids differ.
+``yaml_list`` and ``reward_functions`` write the ``key=value`` overrides that point a run at them.
 """
 
 from __future__ import annotations
@@ -75,14 +76,18 @@ QWEN2_SPLIT = (
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 LLAMA_SPECIALS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
-SCORE_FN = '''"""A verl-style reward: exact match of the stripped answer, partial credit for containment."""
+SCORE_FN = f'''"""A verl-style reward: exact match of the stripped answer, partial credit for
+containment; ``known_source`` says whether the data source arrived as written in the file."""
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     answer = solution_str.strip()
     acc = answer == ground_truth.strip()
     score = 1.0 if acc else (0.5 if ground_truth in solution_str else 0.0)
-    return {"score": float(score), "acc": bool(acc), "len": len(solution_str)}
+    known = data_source in {SOURCES!r}
+    return {{
+        "score": float(score), "acc": bool(acc), "len": len(solution_str), "known_source": known
+    }}
 '''
 
 BAD_FN = f'''"""A verl-style reward that does not know the data source {RAISING_SOURCE!r}."""
@@ -302,3 +307,14 @@ def build_byo_assets(root: Path, *, seed: int = 0) -> ByoAssets:
     paths.score_fn.write_text(SCORE_FN)
     paths.bad_fn.write_text(BAD_FN)
     return paths
+
+
+def yaml_list(*paths: Path) -> str:
+    """``[a, b]``: a YAML flow list of paths for a ``key=value`` override."""
+    return "[" + ", ".join(str(p) for p in paths) + "]"
+
+
+def reward_functions(*files: Path, weight: float = 1.0) -> str:
+    """``reward.functions=[{path: ..., weight: ...}, ...]``."""
+    items = ", ".join(f"{{path: {f}, weight: {weight}}}" for f in files)
+    return f"reward.functions=[{items}]"

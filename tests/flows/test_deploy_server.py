@@ -4,14 +4,17 @@ Fast tier: the presets validate against TrainConfig, and a bad preset fails befo
 registered, naming the field. Slow tier (a real local Prefect server, see conftest.py): the
 deployments, work pool and schedules land on the server; a tiny run goes through the process
 work pool and its task runs, artifacts and events read back through the API; a bad run
-parameter is refused naming the field; a served deployment's 5 s interval schedule fires on
-its own and that run resumes the first run's checkpoint.
+parameter is refused naming the field; a run that sets one field keeps the rest of its
+deployment's preset (Prefect alone would replace the whole config); a served deployment's 5 s
+interval schedule fires on its own and that run resumes the first run's checkpoint. Flow runs are
+named after the config and their steps (``tiny-smoke[steps 0-1]``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -214,6 +217,66 @@ def test_tiny_run_through_the_work_pool(prefect_api: LocalServer, tiny_run: Tiny
     # 4. On disk: metrics and the checkpoint the next run resumes from.
     assert metrics_steps(tiny_run.run_dir) == [0, 1]
     assert (tiny_run.run_dir / "checkpoints" / "step-000001" / "state.json").exists()
+    # 5. Named after the config and the steps it ran.
+    assert tiny_run.flow_run.name == "tiny-smoke[steps 0-1]"
+
+
+def _copy_after_step_1(run_dir: Path, to: Path) -> Path:
+    """The first tiny run's folder as it was after step 1 (warm start, step-1 checkpoint)."""
+    keep = {"step-000001"}
+    shutil.copytree(
+        run_dir,
+        to,
+        ignore=lambda d, names: [n for n in names if n.startswith("step-") and n not in keep],
+    )
+    metrics = to / "metrics.jsonl"
+    rows = [line for line in metrics.read_text().splitlines() if line.strip()]
+    metrics.write_text("".join(f"{r}\n" for r in rows if json.loads(r)["step"] <= 1))
+    return to
+
+
+@pytest.mark.slow
+def test_run_setting_one_field_keeps_the_deployment_preset(
+    prefect_api: LocalServer,
+    tiny_run: TinyRun,
+    pool_worker: subprocess.Popen[bytes],
+    tmp_path: Path,
+) -> None:
+    """A deployment (module entrypoint, its own folder) whose preset continues a copy of the
+    first run; a run of it that sends only ``trainer.total_steps`` runs that preset, one step."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    run_dir = _copy_after_step_1(tiny_run.run_dir, tmp_path / "runs" / "tiny-smoke")
+    preset = {**tiny_run.parameters["config"], "run_dir": str(run_dir)}
+    served = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    (entry,) = [d for d in served["deployments"] if d["name"] == TINY_PRESET]
+    entry.update(name="tiny-override", parameters={"config": preset})
+    (tmp_path / "prefect.yaml").write_text(yaml.safe_dump({"deployments": [entry]}))
+    assert entry["entrypoint"] == "flows.train.ppo_train"
+    deploy_all(tmp_path / "prefect.yaml")
+    override = {"config": {"trainer": {"total_steps": 3}}}
+    created = run_deployment("ppo-train/tiny-override", parameters=override, timeout=0)
+    run = asyncio.run(wait_flow_run(created.id, RUN_TIMEOUT_S))
+    assert run.state.is_completed(), (
+        f"{run.state.message}\n{log_tail(prefect_api.root / 'worker.log')}"
+    )
+    # 1. The server keeps the run's parameters as sent: they replace the preset's config whole.
+    assert run.parameters == override
+    # 2. The flow ran the preset with that one field changed (its run_dir/config.yaml).
+    ran = yaml.safe_load((run_dir / "config.yaml").read_text())
+    for key in ("name", "run_dir", "rollout", "warmstart", "actor", "models"):
+        assert ran[key] == build_config(preset).model_dump(mode="json")[key], key
+    assert ran["trainer"] == {
+        **build_config(preset).model_dump(mode="json")["trainer"],
+        "total_steps": 3,
+    }
+    # 3. It resumed after step 1 and stopped at the new total: step 2 only, named so.
+    assert metrics_steps(run_dir) == [0, 1, 2]
+    assert run.name == "tiny-smoke[step 2]"
+    with get_client(sync_client=True) as client:
+        names = {t.name for t in recorded_task_runs(client, run.id, stage_names(range(2, 3)))}
+    assert stage_names(range(2, 3)) <= names and not any("[step=3]" in n for n in names)
 
 
 @pytest.mark.slow
@@ -282,6 +345,7 @@ def test_served_interval_schedule_fires_and_resumes(
                 f"{finished.state.message}\n{log_tail(prefect_api.root / 'serve.log')}"
             )
             assert finished.auto_scheduled  # created by the schedule, not by this test
+            assert finished.name == "tiny-smoke[steps 2-3]"
             task_runs = recorded_task_runs(client, finished.id, stage_names(range(2, 4)))
     names = {t.name for t in task_runs}
     assert stage_names(range(2, 4)) <= names

@@ -3,7 +3,8 @@ the local server and keeps screenshots (tests/artifacts/, and docs/ui-run.png fo
 
 Uses Debian's ``chromium`` through Playwright's Python API (no browser download); skips with a
 message when either is missing. Asserts on page content: the stage task-run names and the
-metrics artifact key (the run graph is a canvas, so names are read from the Task Runs tab).
+metrics artifact key (the run graph is a canvas, so names are read from the Task Runs tab), and
+the curves artifact's embedded PNG, drawn by the browser (an ``<img>`` with a natural width).
 """
 
 from __future__ import annotations
@@ -81,3 +82,20 @@ def test_ui_shows_stage_task_runs_and_metrics_artifact(
     page.wait_for_timeout(500)
     page.screenshot(path=str(ARTIFACTS / "ui-metrics-artifact.png"), full_page=True)
     assert shot.stat().st_size > 10_000
+    # 4. The curves artifact: the UI's markdown renderer keeps the data-URI image and draws it.
+    _open_artifact(page, url, f"{tiny_run.run_name}-curves")
+    image = page.locator('img[src^="data:image/png;base64,"]').first
+    image.wait_for(timeout=UI_WAIT_MS)
+    page.wait_for_function(
+        "() => [...document.images].some(i => i.src.startsWith('data:image/png') && i.complete)",
+        timeout=UI_WAIT_MS,
+    )
+    assert image.evaluate("img => img.naturalWidth") > 300
+    page.screenshot(path=str(ARTIFACTS / "ui-curves-artifact.png"), full_page=True)
+
+
+def _open_artifact(page: Any, run_url: str, key: str) -> None:
+    """The artifact ``key`` of the run, through the run page's Artifacts tab."""
+    page.goto(run_url)
+    page.get_by_text("Artifacts", exact=True).first.click()
+    page.get_by_text(key, exact=True).first.click()

@@ -116,3 +116,72 @@ def test_rollout_old_logprobs_replace_the_recompute_pass_in_every_reader(
     assert fields["old_logprobs"] == "rollout_logprobs" and "rollout_logprobs" not in fields
     kl = advantage_reads(cfg.algorithm, old_logprobs=cfg.old_logprobs_field)
     assert ("rollout_logprobs" in kl) is cfg.algorithm.use_reference
+
+
+# ---------------------------------------------------------------- bring your own model, data, reward
+def test_a_users_policy_without_any_reward_is_refused_naming_both_settings() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["models.policy=/models/mine"])
+    message = str(err.value)
+    assert "models.reward_model" in message and "reward.functions" in message
+    assert "\n" not in message
+    # Either reward is enough, and the warm start never runs against a user's policy.
+    with_fn = load_config(None, ["models.policy=/m", "reward.functions=[{name: exact_match}]"])
+    assert not with_fn.uses_reward_model and not with_fn.warm_start
+    with_rm = load_config(None, ["models.policy=/m", "models.reward_model=/rm"])
+    assert with_rm.uses_reward_model and not with_rm.warm_start
+
+
+def test_the_builtin_task_trains_a_reward_model_only_when_it_is_weighted() -> None:
+    assert TrainConfig().warm_start and TrainConfig().uses_reward_model
+    cfg = load_config(None, ["reward.model_weight=0", "reward.functions=[{name: exact_match}]"])
+    assert cfg.warm_start and not cfg.uses_reward_model
+    user_data = load_config(None, ["data.train_files=[p.parquet]", "models.reward_model=/rm"])
+    assert not user_data.warm_start and not user_data.data.builtin
+
+
+def test_separate_async_without_a_reward_model_needs_no_reward_pool() -> None:
+    cfg = load_config(
+        None,
+        ["resources.mode=separate_async", "models.policy=/m", "reward.functions=[{name: gsm8k}]"],
+    )
+    assert cfg.reward.pool == "colocated" and not cfg.uses_reward_model
+
+
+def test_verl_estimator_name_and_its_alias() -> None:
+    assert load_config(None, ["algorithm.estimator=reinforce_plus_plus"]).algorithm.estimator == (
+        "reinforce_plus_plus"
+    )
+    assert load_config(None, ["algorithm.estimator=reinforce_pp"]).algorithm.estimator == (
+        "reinforce_plus_plus"
+    )
+
+
+def test_a_missing_config_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "nope.yaml")
+    assert "nope.yaml" in str(err.value) and "no such file" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_presets_resolve_by_name_from_the_package() -> None:
+    assert load_config("grpo").name == "grpo"
+    assert load_config("examples/addition-reward-fn").data.train_files
+
+
+def test_a_tracker_that_is_not_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a)
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.loggers=[jsonl, mlflow]"])
+    assert "ppoflow[mlflow]" in str(err.value) and "trainer.loggers" in str(err.value)
+
+
+def test_alerts_need_a_bound() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.alerts=[{metric: val-core/x/reward/mean@1}]"])
+    assert "trainer.alerts" in str(err.value)
