@@ -39,6 +39,7 @@ def _figure(rows: Sequence[dict[str, Any]], title: str, size: tuple[float, float
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = (("reward", REWARD_KEYS), ("KL", KL_KEYS), ("validation", validation_keys(rows)))
     fig, axes = plt.subplots(1, len(panels), figsize=size)
@@ -50,6 +51,7 @@ def _figure(rows: Sequence[dict[str, Any]], title: str, size: tuple[float, float
                 ax.plot(xs, ys, marker="." if len(pts) < 40 else None, label=key)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         if ax.lines:

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from prefect.artifacts import (
@@ -129,10 +129,13 @@ class RunReport:
         return rows
 
     def start(self, step: int) -> None:
-        self.progress_id = create_progress_artifact(
-            progress=100.0 * step / self.total,
-            key=artifact_key(self.name, "progress"),
-            description=f"ppoflow run {self.name}: steps done / {self.total}",
+        self.progress_id = cast(
+            UUID,
+            create_progress_artifact(  # sync inside a flow
+                progress=100.0 * step / self.total,
+                key=artifact_key(self.name, "progress"),
+                description=f"ppoflow run {self.name}: steps done / {self.total}",
+            ),
         )
         if self.want_bar and sys.stderr.isatty():
             from rich.progress import (
@@ -217,10 +220,13 @@ class RunReport:
             with get_client(sync_client=True) as client:
                 client.update_artifact(self.curves_id, ArtifactUpdate(data=text))
             return
-        self.curves_id = create_markdown_artifact(
-            markdown=text,
-            key=artifact_key(self.name, "curves"),
-            description=f"reward, KL and validation curves of run {self.name}",
+        self.curves_id = cast(
+            UUID,
+            create_markdown_artifact(
+                markdown=text,
+                key=artifact_key(self.name, "curves"),
+                description=f"reward, KL and validation curves of run {self.name}",
+            ),
         )
 
     def _publish(self) -> None:

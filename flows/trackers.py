@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 PROJECT = "ppoflow"  # the W&B project and the MLflow experiment
@@ -118,7 +118,8 @@ class WandbTracker:
         run_id, reused = _run_id(
             run.run_dir / "wandb-run-id", _wandb_id, resumed=run.start_step > 0
         )
-        mode = None if os.environ.get("WANDB_MODE") or wandb_has_account() else "offline"
+        offline = not (os.environ.get("WANDB_MODE") or wandb_has_account())
+        mode: Literal["offline"] | None = "offline" if offline else None  # None: W&B decides
         self.run = wandb.init(
             project=PROJECT,
             name=run.name,

@@ -29,7 +29,7 @@ from infra.config import TrainConfig
 
 @flow(name="ppo-train", log_prints=True, flow_run_name=flow_run_name)
 def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B008 - the form's default
-    """Train a policy with PPO-family RL from a (colocated) reward model."""
+    """Train a policy with PPO-family RL from a (colocated) reward model and/or reward functions."""
     cfg = effective_config(config)  # a deployment run: laid over its preset
     logger = get_run_logger()
     run_dir = cfg.resolved_run_dir
@@ -42,6 +42,15 @@ def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B
     models = reward_model_flow(cfg)
     tokenizer = AutoTokenizer.from_pretrained(models.tokenizer)
     datasets = load_datasets(cfg, models, tokenizer)
+    changed = {
+        k: int(v) for k, v in datasets.notes.items() if k.endswith(("_truncated", "_dropped"))
+    }
+    if any(changed.values()):
+        logger.warning(
+            "prompts over data.max_prompt_length (data.truncation=%s): %s",
+            cfg.data.truncation,
+            changed,
+        )
     # 2. Compute and store.
     rt = build_runtime(cfg, models)
     try:

@@ -19,11 +19,12 @@ from typing import Any
 from uuid import UUID
 
 import pytest
-from server import REPO, RUN_TIMEOUT_S, TINY_PRESET, LocalServer, log_tail, tiny_parameters
+from server import REPO, TINY_PRESET, LocalServer, log_tail, tiny_parameters
 
 AUTOMATION_FILE = REPO / "docs" / "automations" / "cancel-on-metric-drop.yaml"
 AUTOMATION_NAME = "ppoflow-cancel-on-metric-alert"
 ALERT_EVENT = "ppoflow.metric.alert"
+ALERT_WITHIN_S = 360.0  # the run's start: warm start, Ray, workers, step 0
 CANCEL_WITHIN_S = 120.0
 LEFTOVER_GRACE_S = 30.0
 MARKER_VAR = "PPOFLOW_TEST_RUN_MARKER"
@@ -66,18 +67,20 @@ def _cmdline(pid: int) -> str:
         return "<gone>"
 
 
-async def _first_alert(run_name: str, timeout_s: float) -> Any:
+async def _first_alert(run_name: str, timeout_s: float, marker: str, seen: set[int]) -> Any:
+    """The run's first alert event; ``seen`` collects the run's processes meanwhile."""
     from prefect.client.orchestration import get_client
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    flt = EventFilter(
-        event=EventNameFilter(name=[ALERT_EVENT]),
-        resource=EventResourceFilter(id=[f"ppoflow.run.{run_name}"]),
-    )
     deadline = time.monotonic() + timeout_s
     async with get_client() as client:
         while True:
+            flt = EventFilter(  # anew each time: its `occurred.until` defaults to its creation
+                event=EventNameFilter(name=[ALERT_EVENT]),
+                resource=EventResourceFilter(id=[f"ppoflow.run.{run_name}"]),
+            )
             events = (await client.read_events(filter=flt, limit=5)).events
+            seen.update(_marked_pids(marker))
             if events:
                 return events[0]
             if time.monotonic() > deadline:
@@ -105,7 +108,7 @@ def _alerting_parameters(server: LocalServer) -> dict[str, Any]:
     config["name"] = "alert-cancel"
     trainer = config.setdefault("trainer", {})
     trainer.update(total_steps=40, checkpoint_every=40, eval_every=40)
-    trainer.pop("steps_per_run", None)
+    trainer["steps_per_run"] = None  # set, so that it is not the preset's 2
     trainer["alerts"] = [{"metric": "critic/score/mean", "above": -1e9}]
     return params
 
@@ -133,7 +136,9 @@ def test_alert_automation_cancels_the_run(
             job_variables={"env": {MARKER_VAR: marker}},
         )
         run_id = created.id
-        alert = asyncio.run(_first_alert(params["config"]["name"], RUN_TIMEOUT_S))
+        seen: set[int] = set()
+        alert = asyncio.run(_first_alert(params["config"]["name"], ALERT_WITHIN_S, marker, seen))
+        assert len(seen) > 1  # the marker reached the flow process and what it started
         assert alert.payload["step"] == 0 and alert.payload["metric"] == "critic/score/mean"
         assert f"prefect.flow-run.{run_id}" in {r.id for r in alert.related}
         # 2. The automation cancels it (CANCELLING while the worker stops the process).

@@ -104,13 +104,13 @@ def test_validation_metrics_get_their_own_panel() -> None:
 
 async def _alert_events(name: str, want: int, timeout_s: float = 30.0) -> list[Any]:
     """The run's alert events from the API, oldest first, once ``want`` have arrived."""
-    flt = EventFilter(
-        event=EventNameFilter(name=[ALERT_EVENT]),
-        resource=EventResourceFilter(id=[f"ppoflow.run.{name}"]),
-    )
     deadline = time.monotonic() + timeout_s
     async with get_client() as client:
         while True:
+            flt = EventFilter(  # anew each time: its `occurred.until` defaults to its creation
+                event=EventNameFilter(name=[ALERT_EVENT]),
+                resource=EventResourceFilter(id=[f"ppoflow.run.{name}"]),
+            )
             events = (await client.read_events(filter=flt, limit=50)).events
             if len(events) >= want or time.monotonic() > deadline:
                 return sorted(events, key=lambda e: e.occurred)

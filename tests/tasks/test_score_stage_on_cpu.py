@@ -8,7 +8,7 @@ import torch
 from infra.config import load_config
 from storage import BatchMeta, StoreTimeout, open_store
 from tasks.context import StageContext
-from tasks.score.stage import WRITES, score
+from tasks.score.stage import score, writes
 
 
 def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
@@ -20,16 +20,18 @@ def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
         "rm_scores": [torch.tensor([0.0, 0.5]), torch.tensor([-0.5])],
     }
     store.kv_batch_put(keys, partition, scored)
-    # No reward workers at all: scoring again would fail on them.
+    # A reward group that cannot be called: scoring again would fail on it.
     ctx = StageContext(
         cfg=load_config(None, ["store.get_timeout_s=0.1"]),
         store=store,
         tokenizer=None,
         train_group=None,
+        reward_group=object(),
     )
     meta = BatchMeta(partition_id=partition, keys=tuple(keys), fields=())
     out = score.fn(ctx, meta, 3)
-    assert set(WRITES) <= set(out.fields)
+    assert writes(ctx) == ("scores", "rm_scores", "rule_scores")
+    assert set(writes(ctx)) <= set(out.fields)
     assert not ctx.metrics  # nothing recomputed, nothing recorded
     # One key without scores: the task goes on to read the inputs (and waits for them here).
     store.kv_batch_put(["u2/0"], partition, {"prompt_ids": [torch.tensor([1, 2])]})
