@@ -143,7 +143,7 @@ class Trainer:
         self.ctx.kl_controller.load_state_dict(state["kl"])
         if state["partitions"]:
             self.rt.store.load(ckpt / "store")
-        self.submitted = {int(s): BatchMeta(**m) for s, m in state["submitted"].items()}
+        self.submitted = {int(s): BatchMeta.from_json(m) for s, m in state["submitted"].items()}
         self.last_checkpoint = ckpt
         return int(state["step"]) + 1
 
@@ -153,14 +153,7 @@ class Trainer:
             state = {
                 "data": self.data.state_dict(),
                 "kl": self.ctx.kl_controller.state_dict(),
-                "submitted": {
-                    str(s): {
-                        "partition_id": m.partition_id,
-                        "keys": list(m.keys),
-                        "fields": list(m.fields),
-                    }
-                    for s, m in pending.items()
-                },
+                "submitted": {str(s): m.to_json() for s, m in pending.items()},
             }
             self.last_checkpoint = save_checkpoint(
                 self.run_dir,

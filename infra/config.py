@@ -383,8 +383,8 @@ class TrainerConfig(_Section):
         10.0,
         ge=0,
         description=(
-            "Least seconds between updates of the Prefect metrics-table and progress artifacts "
-            "(each costs ~15-30 ms of server round trips); the first and last steps always "
+            "Least seconds between updates of the Prefect metrics-table, curves and progress "
+            "artifacts (each costs server round trips); the first and last steps always "
             "update them. metrics.jsonl and the per-step event are written every step."
         ),
     )

@@ -8,8 +8,8 @@ when the compute raises. Workers are plain classes; ``WorkerGroup`` (infra.group
 Ray actors in a resource pool. Data arrives and leaves as columnar ``Jagged`` buffers.
 
 Data-parallel workers (``world_size > 1``) join a torch.distributed group (gloo on CPU, nccl on
-CUDA), average gradients with global token normalisation and therefore make the same update as
-one worker over the whole batch.
+CUDA) and SUM their gradients: each worker's loss is already divided by the global token (or
+sequence) count, so N workers make the same update as one worker over the whole batch.
 """
 
 from __future__ import annotations

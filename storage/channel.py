@@ -120,8 +120,8 @@ class Server:
     """A listening socket served by threads: one accepts, one serves each connection.
 
     Each connection's thread blocks in `recv` and calls `handle(request, arena)` itself, so a
-    request costs two thread wake-ups and no event-loop turns (on a 2-vCPU machine a bare 3 KB
-    echo took 0.118 ms through an asyncio loop in a Ray actor, 0.058 ms through a thread).
+    request costs two thread wake-ups and no event-loop turns (an actor's asyncio loop costs
+    more per frame).
     `handle` must be thread-safe: connections are served at once, and it may block (a get
     waiting for a put), which holds only its connection.
     """

@@ -11,38 +11,8 @@
 
 from __future__ import annotations
 
-from urllib.parse import parse_qs, urlsplit
-
-from storage.base import DEFAULT_TIMEOUT_S, Store, check_timeout
-from storage.errors import StoreError
-
-_PARAMS = {"memory": {"timeout"}, "ray": {"timeout", "shards", "namespace", "transport"}}
-_TRANSPORTS = ("auto", "shm", "object_store")
-
-
-def _query(url: str, scheme: str, query: str) -> dict[str, str]:
-    try:
-        raw = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
-    except ValueError as exc:
-        raise StoreError(f"store URL {url!r}: malformed query: {exc}") from exc
-    unknown = sorted(set(raw) - _PARAMS[scheme])
-    if unknown:
-        raise StoreError(
-            f"store URL {url!r}: unknown parameter(s) {unknown}; {scheme}:// takes {sorted(_PARAMS[scheme])}"
-        )
-    repeated = sorted(name for name, values in raw.items() if len(values) > 1)
-    if repeated:
-        raise StoreError(f"store URL {url!r}: parameter(s) {repeated} given more than once")
-    return {name: values[0] for name, values in raw.items()}
-
-
-def _number(url: str, params: dict[str, str], name: str, default: float) -> float:
-    if name not in params:
-        return default
-    try:
-        return float(params[name])
-    except ValueError as exc:
-        raise StoreError(f"store URL {url!r}: {name}={params[name]!r} is not a number") from exc
+from storage.base import Store
+from storage.urls import parse_store_url
 
 
 def open_store(url: str = "memory://", *, default_timeout: float | None = None) -> Store:
@@ -51,25 +21,13 @@ def open_store(url: str = "memory://", *, default_timeout: float | None = None) 
     Raises:
         StoreError: unknown scheme or parameter, bad numbers, or Ray not initialised for ray://.
     """
-    parts = urlsplit(url)
-    scheme = parts.scheme
-    if scheme not in _PARAMS or "://" not in url:
-        raise StoreError(f"store URL {url!r}: scheme must be memory:// or ray://NAME")
-    params = _query(url, scheme, parts.query)
-    timeout = _number(url, params, "timeout", DEFAULT_TIMEOUT_S)
-    timeout = check_timeout(timeout if default_timeout is None else default_timeout, "timeout")
-    name = parts.netloc + parts.path
-    if scheme == "memory":
+    parsed = parse_store_url(url, default_timeout=default_timeout)
+    if parsed.scheme == "memory":
         from storage.memory import MemoryStore
 
-        return MemoryStore(name, timeout)
-    shards = _number(url, params, "shards", 0)
-    if shards != int(shards) or shards < 0:
-        raise StoreError(f"store URL {url!r}: shards must be a positive integer")
-    transport = params.get("transport", "auto")
-    if transport not in _TRANSPORTS:
-        raise StoreError(f"store URL {url!r}: transport must be one of {list(_TRANSPORTS)}")
+        return MemoryStore(parsed.name, parsed.timeout)
     from storage.ray_backend import RayStore
 
-    namespace = params.get("namespace", "ppoflow")
-    return RayStore.open(name, int(shards), namespace, timeout, transport)
+    return RayStore.open(
+        parsed.name, parsed.shards, parsed.namespace, parsed.timeout, parsed.transport
+    )

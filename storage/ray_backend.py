@@ -49,12 +49,12 @@ from storage.channel import ChannelClosed
 from storage.columnar import BoolArray, Column, IntArray, concat, empty_column, gather
 from storage.convert import to_columns, to_tensordict
 from storage.errors import SchemaError, StoreError, StoreTimeout
-from storage.factory import open_store
 from storage.meta import BatchMeta
 from storage.partition import PartitionDump
 from storage.ray_links import Link, LocalLink, Outgoing, Pending, RayLink, RayPending, Reply, pick
 from storage.ray_shard import StoreShard, actor_name, dump_from, dump_header, shard_of
 from storage.schema import FieldSpec, registered_spec
+from storage.urls import parse_store_url
 from storage.wire import keys_blob, message, open_message, unpack_columns
 
 DEFAULT_SHARDS = 2
@@ -110,7 +110,7 @@ class RayStore(Store):
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         """Unpickles as a new handle attached by URL (which never kills the shards on close)."""
-        return (open_store, (self.url,))
+        return (_reopen, (self.url,))
 
     @property
     def transports(self) -> list[str]:
@@ -443,3 +443,11 @@ def _concat_dumps(dumps: Sequence[PartitionDump]) -> PartitionDump:
         parts = [d.columns[name] for d in dumps if name in d.columns and d.columns[name].n_rows]
         columns[name] = concat(parts) if parts else empty_column(specs[name])
     return PartitionDump(dumps[0].partition_id, keys, specs, present, columns)
+
+
+def _reopen(url: str) -> RayStore:
+    """A handle attached to the shards a `ray://` URL names (how a pickled handle comes back)."""
+    parsed = parse_store_url(url)
+    return RayStore.open(
+        parsed.name, parsed.shards, parsed.namespace, parsed.timeout, parsed.transport
+    )

@@ -89,8 +89,8 @@ def _keep_freed_memory() -> None:
     """Asks glibc to keep freed blocks of this process for reuse rather than hand them back.
 
     A shard frees and refills megabytes per put (every kv_clear frees a batch); by default glibc
-    returns such blocks to the kernel and the next put faults fresh pages in, which on a VM costs
-    about 3 us per 4 KiB page: 1.2 ms for a 1.6 MB batch, more than copying it. Keeping up to
+    returns such blocks to the kernel and the next put faults fresh pages in, which can cost more
+    than copying the batch (benchmarks/results/store.json). Keeping up to
     256 MiB of free memory at the top of the heap (and serving blocks up to 32 MiB from the heap)
     makes a steady put/clear cycle reuse warm pages. A no-op where glibc is not the allocator.
     """

@@ -10,8 +10,7 @@ the kernel frees the memory when both sides have closed the descriptor and dropp
 (a closed connection, a killed process).
 
 Reuse is the point. A fresh segment per call pays the kernel's page allocation on every call
-(about 3 us per 4 KiB page on a VM, 1.1 ms for 1.6 MB, twenty times the copy itself); an arena
-pays it once, when it grows. Arrays placed in an arena are plain numeric numpy dtypes at 64-byte
+(many times the copy itself); an arena pays it once, when it grows. Arrays placed in an arena are plain numeric numpy dtypes at 64-byte
 aligned offsets, described by a layout `[[offset, dtype.str, shape], ...]` that travels in the
 message header.
 """

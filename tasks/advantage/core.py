@@ -25,12 +25,14 @@ from tasks.masks import masked_whiten
 __all__ = [
     "ESTIMATORS",
     "ESTIMATOR_INPUTS",
+    "ESTIMATOR_SETTINGS",
     "AdvantageOutput",
     "discounted_reverse_cumsum",
     "gae",
     "grpo_advantage",
     "reinforce_pp_advantage",
     "rloo_advantage",
+    "run_estimator",
 ]
 
 
@@ -276,3 +278,26 @@ ESTIMATOR_INPUTS: dict[str, tuple[str, ...]] = {
     "rloo": ("scores", "group_ids", "response_mask"),
     "reinforce_plus_plus": ("token_rewards", "response_mask"),
 }
+
+# The keyword settings each estimator takes, by the setting's name in the run config's
+# `algorithm` section (`whiten` is `algorithm.whiten_advantages`, ...).
+ESTIMATOR_SETTINGS: dict[str, dict[str, str]] = {
+    "gae": {"gamma": "gamma", "lam": "lam", "whiten": "whiten_advantages"},
+    "grpo": {"norm_by_std": "norm_by_std"},
+    "rloo": {},
+    "reinforce_plus_plus": {"gamma": "gamma", "whiten": "whiten_advantages"},
+}
+
+
+def run_estimator(name: str, *, tensors: dict[str, Tensor], settings: Any) -> AdvantageOutput:
+    """The estimator `name` on its `ESTIMATOR_INPUTS` from `tensors`, with its settings read
+    from `settings` (an object with the `ESTIMATOR_SETTINGS` attributes). Outcome estimators
+    (GRPO, RLOO) return their advantages as the returns too."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
+    kwargs = {field: tensors[field] for field in ESTIMATOR_INPUTS[name]}
+    kwargs.update({arg: getattr(settings, key) for arg, key in ESTIMATOR_SETTINGS[name].items()})
+    out = ESTIMATORS[name](**kwargs)
+    if isinstance(out, AdvantageOutput):
+        return out
+    return AdvantageOutput(advantages=out, returns=out)

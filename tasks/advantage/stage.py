@@ -3,7 +3,6 @@ configured estimator's advantages and returns. Pure tensor math, run in the flow
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from prefect import task
@@ -13,7 +12,7 @@ from torch import Tensor
 from infra.config import AlgorithmConfig
 from infra.transport import Jagged
 from storage import BatchMeta
-from tasks.advantage.core import gae, grpo_advantage, reinforce_pp_advantage, rloo_advantage
+from tasks.advantage.core import run_estimator
 from tasks.batching import unpad
 from tasks.context import StageContext
 from tasks.io import read, write
@@ -32,53 +31,6 @@ def reads(algo: AlgorithmConfig, *, old_logprobs: str | None = "old_logprobs") -
         + ((old_logprobs, "ref_logprobs") if old_logprobs and algo.use_reference else ())
         + (("values",) if algo.use_critic else ())
     )
-
-
-def _gae(algo: AlgorithmConfig, d: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    out = gae(
-        token_rewards=d["token_rewards"],
-        values=d["values"],
-        response_mask=d["response_mask"],
-        gamma=algo.gamma,
-        lam=algo.lam,
-        whiten=algo.whiten_advantages,
-    )
-    return out.advantages, out.returns
-
-
-def _grpo(algo: AlgorithmConfig, d: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    adv = grpo_advantage(
-        scores=d["scores"],
-        group_ids=d["group_ids"],
-        response_mask=d["response_mask"],
-        norm_by_std=algo.norm_by_std,
-    )
-    return adv, adv
-
-
-def _rloo(algo: AlgorithmConfig, d: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    adv = rloo_advantage(
-        scores=d["scores"], group_ids=d["group_ids"], response_mask=d["response_mask"]
-    )
-    return adv, adv
-
-
-def _reinforce_pp(algo: AlgorithmConfig, d: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    out = reinforce_pp_advantage(
-        token_rewards=d["token_rewards"],
-        response_mask=d["response_mask"],
-        gamma=algo.gamma,
-        whiten=algo.whiten_advantages,
-    )
-    return out.advantages, out.returns
-
-
-ESTIMATORS: dict[str, Callable[[AlgorithmConfig, dict[str, Tensor]], tuple[Tensor, Tensor]]] = {
-    "gae": _gae,
-    "grpo": _grpo,
-    "rloo": _rloo,
-    "reinforce_plus_plus": _reinforce_pp,
-}
 
 
 def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Tensor]:
@@ -125,7 +77,8 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
         ctx.kl_controller.update(float(kl_mean), len(lengths))
     if algo.use_critic:
         d["values"] = data["values"].padded(width=width).float()
-    d["advantages"], d["returns"] = ESTIMATORS[algo.estimator](algo, d)
+    out = run_estimator(algo.estimator, tensors=d, settings=algo)
+    d["advantages"], d["returns"] = out.advantages, out.returns
     mask = d["response_mask"]
     ctx.record(
         step,

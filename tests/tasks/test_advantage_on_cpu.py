@@ -10,13 +10,14 @@ from torch import Tensor
 
 from tasks.advantage import (
     ESTIMATOR_INPUTS,
+    ESTIMATOR_SETTINGS,
     ESTIMATORS,
     gae,
     grpo_advantage,
     reinforce_pp_advantage,
     rloo_advantage,
 )
-from tasks.advantage.core import discounted_reverse_cumsum
+from tasks.advantage.core import discounted_reverse_cumsum, run_estimator
 
 # ----------------------------------------------------------------------------- references
 
@@ -385,3 +386,34 @@ def test_estimator_table_is_complete() -> None:
     )
     for name, fields in ESTIMATOR_INPUTS.items():
         assert "response_mask" in fields, name
+
+
+def test_the_config_offers_exactly_the_estimators_of_the_table() -> None:
+    from typing import get_args
+
+    from infra.config import Estimator
+
+    assert set(get_args(Estimator)) == set(ESTIMATORS) == set(ESTIMATOR_SETTINGS)
+
+
+def test_run_estimator_calls_the_table_with_the_configs_settings() -> None:
+    from infra.config import AlgorithmConfig
+
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    tensors = {
+        "token_rewards": torch.randn(2, 3, generator=gen),
+        "values": torch.randn(2, 3, generator=gen),
+        "scores": torch.tensor([1.0, 0.0]),
+        "group_ids": torch.tensor([0, 0]),
+        "response_mask": mask,
+    }
+    algo = AlgorithmConfig(gamma=0.9, lam=0.8, whiten_advantages=False)
+    out = run_estimator("gae", tensors=tensors, settings=algo)
+    direct = ESTIMATORS["gae"](
+        token_rewards=tensors["token_rewards"], values=tensors["values"], response_mask=mask,
+        gamma=0.9, lam=0.8, whiten=False,
+    )  # fmt: skip
+    torch.testing.assert_close(out.advantages, direct.advantages)
+    grpo = run_estimator("grpo", tensors=tensors, settings=algo)
+    assert grpo.returns is grpo.advantages
