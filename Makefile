@@ -11,7 +11,7 @@ venv: $(STAMP)
 
 # torch==2.13.0 first keeps the CPU build; the rest resolves against it, pinned to the tested
 # set of .ci/constraints.txt (pyproject.toml keeps ranges; .ci/lower-bounds tests their floors).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml .ci/constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 numpy -c .ci/constraints.txt

@@ -103,14 +103,17 @@ def _plot(args: argparse.Namespace) -> int:
 def _deploy(args: argparse.Namespace) -> int:
     from flows.deploy import deploy_all
 
-    deploy_all(Path(args.prefect_yaml), names=args.name or None)
+    deploy_all(Path(args.prefect_yaml) if args.prefect_yaml else None, names=args.name or None)
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
     from flows.deploy import serve_all
 
-    serve_all(names=args.name or None, prefect_yaml=Path(args.prefect_yaml))
+    serve_all(
+        names=args.name or None,
+        prefect_yaml=Path(args.prefect_yaml) if args.prefect_yaml else None,
+    )
     return 0
 
 
@@ -132,14 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("run_dir")
     plot.set_defaults(fn=_plot)
     deploy = sub.add_parser("deploy", help="register the deployments in prefect.yaml")
-    deploy.add_argument("--prefect-yaml", default="prefect.yaml")
+    deploy.add_argument(
+        "--prefect-yaml", default=None, help="default: ./prefect.yaml, else the packaged one"
+    )
     deploy.add_argument(
         "--name", action="append", help="deployment name(s) to register (default: all)"
     )
     deploy.set_defaults(fn=_deploy)
     serve = sub.add_parser("serve", help="serve the deployments (no work pool needed)")
     serve.add_argument("--name", action="append", help="deployment name(s) to serve (default: all)")
-    serve.add_argument("--prefect-yaml", default="prefect.yaml")
+    serve.add_argument(
+        "--prefect-yaml", default=None, help="default: ./prefect.yaml, else the packaged one"
+    )
     serve.set_defaults(fn=_serve)
     data = sub.add_parser("data", help="write the built-in task's prompts in verl's layout")
     data.add_argument("dataset", choices=["addition"])

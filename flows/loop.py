@@ -30,6 +30,7 @@ from flows.reward_model import ResolvedModels
 from flows.runtime import Runtime
 from infra.config import TrainConfig
 from infra.transport import Jagged
+from infra.workers import PPOWorker
 from storage import BatchMeta
 from tasks.advantage.stage import advantage
 from tasks.context import StageContext
@@ -134,7 +135,9 @@ class Trainer:
         if ckpt is None:
             return 0
         state = read_state(ckpt)
-        self.version = min(self.rt.train_group.call("load_checkpoint", str(ckpt / "workers")))
+        self.version = min(
+            self.rt.train_group.call(PPOWorker.load_checkpoint, str(ckpt / "workers"))
+        )
         if self.rt.rollout_group is not self.rt.train_group:
             from tasks.update.stage import sync_rollout_weights
 
@@ -159,7 +162,7 @@ class Trainer:
                 self.run_dir,
                 step,
                 state=state,
-                save_workers=lambda path: self.rt.train_group.call("save_checkpoint", path),
+                save_workers=lambda path: self.rt.train_group.call(PPOWorker.save_checkpoint, path),
                 store=self.rt.store,
                 partitions=[m.partition_id for m in pending.values()],
                 keep=self.cfg.trainer.keep_checkpoints,
@@ -266,7 +269,7 @@ class Trainer:
             self.version += 1
             self.submit_lock.notify_all()
         # 6. Wake/sleep seconds of the colocated roles (first training worker), then drop the partition.
-        self.ctx.record(step, self.rt.train_group.call("timing")[0])
+        self.ctx.record(step, self.rt.train_group.call(PPOWorker.timing)[0])
         # Drop the finished partition.
         lengths = self._response_lengths(meta)
         self.rt.store.kv_clear(meta.partition_id)
@@ -313,7 +316,7 @@ class Trainer:
             return dict(self.stages["validate"](self.ctx, self.val_rows, step))
         prompts = Jagged.from_rows([row_prompt_ids(self.ctx.tokenizer, r) for r in self.heldout])
         responses, _, _ = self.rt.rollout_group.call(
-            "generate", prompts, n=1, seed=0, temperature=0.0
+            PPOWorker.generate, prompts, n=1, seed=0, temperature=0.0
         )[0]
         accuracy = rule_scores(self.ctx, responses, [r.ground_truth for r in self.heldout])
         return {"eval/rule_accuracy": float(accuracy.mean())}

@@ -291,6 +291,12 @@ class OptimConfig(_Section):
         return self
 
 
+class CriticOptimConfig(OptimConfig):
+    """The critic's optimisation: as the actor's, with its own learning-rate default."""
+
+    lr: float = Field(5e-4, gt=0, description="Learning rate.")
+
+
 class ResourcesConfig(_Section):
     mode: Mode = Field("sync", description="sync | colocate_async | separate_async (see DESIGN).")
     max_staleness: int = Field(
@@ -403,7 +409,7 @@ class TrainConfig(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     actor: OptimConfig = Field(default_factory=OptimConfig)
-    critic: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
+    critic: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)

@@ -1,16 +1,17 @@
 """A group of ``PPOWorker`` Ray actors on one resource pool, used by the stage tasks.
 
 The group shards a batch over its data-parallel workers, calls them in parallel and joins the
-results in order. Every blocking ``ray.get`` has its own timeout (``call_timeout_s``): a stalled
+results in order. Calls name the worker's method itself (``group.call(PPOWorker.ping)``), so a
+reader can jump from a stage to the code it runs. Every blocking ``ray.get`` has its own timeout (``call_timeout_s``): a stalled
 worker surfaces as ``WorkerTimeout`` (a ``TimeoutError``), which Prefect retries.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import ray
@@ -18,6 +19,17 @@ import ray
 from infra.cluster import ResourcePool
 from infra.transport import Jagged
 from infra.workers import PPOWorker, WorkerSpec
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _method_name(method: Callable[..., Any]) -> str:
+    """The name of a ``PPOWorker`` method (refusing anything else)."""
+    name = getattr(method, "__name__", "")
+    if getattr(PPOWorker, name, None) is not method:
+        raise TypeError(f"{method!r} is not a PPOWorker method")
+    return str(name)
 
 
 class WorkerTimeout(TimeoutError):
@@ -72,7 +84,7 @@ class WorkerGroup:
             )
             for rank in range(pool.size)
         ]
-        self.call("ping")
+        self.call(PPOWorker.ping)
 
     @property
     def size(self) -> int:
@@ -87,20 +99,26 @@ class WorkerGroup:
                 "(orchestration.call_timeout_s)"
             ) from None
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """The same call on every worker."""
+    def call(
+        self, method: Callable[Concatenate[PPOWorker, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
+        """The same call of ``method`` (a ``PPOWorker`` method) on every worker."""
+        name = _method_name(method)
         return list(
-            self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], method)
+            self.get([getattr(w, name).remote(*args, **kwargs) for w in self.workers], name)
         )
 
     def call_sharded(
-        self, method: str, shards: list[tuple[tuple[Any, ...], dict[str, Any]]]
-    ) -> list[Any]:
+        self,
+        method: Callable[Concatenate[PPOWorker, ...], R],
+        shards: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    ) -> list[R]:
         """One call per shard, shard i on worker i (fewer shards than workers leave the rest idle)."""
+        name = _method_name(method)
         if len(shards) > len(self.workers):
-            raise ValueError(f"{len(shards)} shards for {len(self.workers)} workers of {method}")
-        refs = [getattr(w, method).remote(*a, **k) for w, (a, k) in zip(self.workers, shards)]
-        return list(self.get(refs, method))
+            raise ValueError(f"{len(shards)} shards for {len(self.workers)} workers of {name}")
+        refs = [getattr(w, name).remote(*a, **k) for w, (a, k) in zip(self.workers, shards)]
+        return list(self.get(refs, name))
 
     def shutdown(self) -> None:
         for w in self.workers:

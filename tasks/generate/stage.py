@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.group import concat, split, take
 from infra.transport import Jagged
+from infra.workers import PPOWorker
 from storage import BatchMeta
 from tasks.context import StageContext
 from tasks.io import read, write
@@ -94,7 +95,7 @@ def generate_partition(
     group = ctx.rollout_group
     shards = [sl for sl in split(len(prompts), group.size) if sl.stop > sl.start]
     outs = group.call_sharded(
-        "generate",
+        PPOWorker.generate,
         [
             ((take(prompts, sl),), {"n": n, "seed": seed + rank, **extra})
             for rank, sl in enumerate(shards)

@@ -13,6 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from infra.group import concat, split, take
+from infra.workers import PPOWorker
 from storage import BatchMeta
 from tasks.context import StageContext
 from tasks.io import read, write
@@ -39,7 +40,7 @@ def logprobs(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     group = ctx.train_group
     actor = {"actor": "old_logprobs" in names}
     outs = group.call_sharded(
-        "forward",
+        PPOWorker.forward,
         [
             ((take(prompts, sl), take(responses, sl)), actor)
             for sl in split(len(prompts), group.size)

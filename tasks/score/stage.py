@@ -31,6 +31,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.group import split, take
 from infra.transport import Jagged
+from infra.workers import PPOWorker
 from storage import BatchMeta
 from tasks.context import StageContext
 from tasks.io import read, write
@@ -85,7 +86,7 @@ def _reward_model_scores(
     group = ctx.reward_group
     shards = [sl for sl in split(len(prompts), group.size) if sl.stop > sl.start]
     outs = group.call_sharded(
-        "score",
+        PPOWorker.score,
         [((take(prompts, sl), take(responses, sl), data["raw_prompt"][sl]), {}) for sl in shards],
     )
     rm = torch.from_numpy(np.concatenate([o[0] for o in outs])).float()  # (B,)

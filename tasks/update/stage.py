@@ -14,6 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from infra.group import split, take
+from infra.workers import PPOWorker
 from storage import BatchMeta
 from tasks.context import StageContext
 from tasks.io import read
@@ -50,9 +51,9 @@ def sync_rollout_weights(ctx: StageContext) -> None:
     """Push the actor's weights to a rollout pool that is not the training pool."""
     if ctx.rollout_group is ctx.train_group:
         return
-    version = ctx.train_group.call("ping")[0]["version"]
+    version = ctx.train_group.call(PPOWorker.ping)[0]["version"]
     state = ctx.train_group.workers[0].policy_state.remote()
-    ctx.rollout_group.call("load_policy", state, version)
+    ctx.rollout_group.call(PPOWorker.load_policy, state, version)
 
 
 @task(name="update", cache_policy=NO_CACHE, task_run_name="update[step={step}]")
@@ -67,7 +68,7 @@ def update(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
         ((take(prompts, sl), take(responses, sl), {k: take(v, sl) for k, v in fields.items()}), {})
         for sl in split(len(prompts), group.size)
     ]
-    results = group.call_sharded("update", shards)
+    results = group.call_sharded(PPOWorker.update, shards)
     # 3. Metrics (averaged over workers), then weight sync.
     ctx.record(step, {k: sum(r[k] for r in results) / len(results) for k in results[0]})
     sync_rollout_weights(ctx)

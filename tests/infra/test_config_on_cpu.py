@@ -185,3 +185,9 @@ def test_alerts_need_a_bound() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["trainer.alerts=[{metric: val-core/x/reward/mean@1}]"])
     assert "trainer.alerts" in str(err.value)
+
+
+def test_setting_one_critic_field_keeps_the_critics_learning_rate() -> None:
+    cfg = load_config(None, ["critic.mini_batch_size=32", "critic.micro_batch_size=32"])
+    assert cfg.critic.lr == TrainConfig().critic.lr == 5e-4
+    assert cfg.actor.lr == 1e-4

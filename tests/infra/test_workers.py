@@ -136,8 +136,8 @@ def test_data_parallel_update_equals_one_worker(ray_local, assets) -> None:
                 )
                 for sl in split(len(rep), size)
             ]
-            group.call_sharded("update", shards)
-            digests.append(group.call("parameters_digest"))
+            group.call_sharded(PPOWorker.update, shards)
+            digests.append(group.call(PPOWorker.parameters_digest))
         finally:
             group.shutdown()
             pool.release()
