@@ -265,6 +265,10 @@ class Trainer:
             meta = run("logprobs", meta)
         meta = run("advantage", meta)
         run("update", meta)
+        # The step is applied: the adaptive KL controller moves once, on this step's KL.
+        if self.cfg.algorithm.kl.in_reward:
+            kl_mean = self.ctx.metrics[step]["actor/reward_kl_penalty"]
+            self.ctx.kl_controller.update(kl_mean, self.cfg.batch_size)
         with self.submit_lock:
             self.version += 1
             self.submit_lock.notify_all()

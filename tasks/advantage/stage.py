@@ -74,7 +74,7 @@ def compute(ctx: StageContext, data: dict[str, Any], step: int) -> dict[str, Ten
                 "actor/reward_kl_penalty_coeff": ctx.kl_controller.value,
             },
         )
-        ctx.kl_controller.update(float(kl_mean), len(lengths))
+        # The controller moves when the step commits (flows.loop), so a retry reads it unmoved.
     if algo.use_critic:
         d["values"] = data["values"].padded(width=width).float()
     out = run_estimator(algo.estimator, tensors=d, settings=algo)

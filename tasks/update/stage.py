@@ -47,6 +47,20 @@ def update_fields(ctx: StageContext, data: Any) -> dict[str, Any]:
     }
 
 
+# Each data-parallel worker returns its SHARE of these losses (divided by the global token or
+# sequence count): the batch's loss is their sum. Every other metric is a per-worker mean of
+# equal-sized shards (or the same on every worker, like the all-reduced grad norm): averaged.
+SHARED_LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss")
+
+
+def combine_worker_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    """One batch's metrics from the data-parallel workers' (see ``SHARED_LOSSES``)."""
+    return {
+        key: sum(r[key] for r in results) / (1 if key in SHARED_LOSSES else len(results))
+        for key in results[0]
+    }
+
+
 def sync_rollout_weights(ctx: StageContext) -> None:
     """Push the actor's weights to a rollout pool that is not the training pool."""
     if ctx.rollout_group is ctx.train_group:
@@ -69,7 +83,7 @@ def update(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
         for sl in split(len(prompts), group.size)
     ]
     results = group.call_sharded(PPOWorker.update, shards)
-    # 3. Metrics (averaged over workers), then weight sync.
-    ctx.record(step, {k: sum(r[k] for r in results) / len(results) for k in results[0]})
+    # 3. Metrics (losses summed over the workers' shares, the rest averaged), then weight sync.
+    ctx.record(step, combine_worker_metrics(results))
     sync_rollout_weights(ctx)
     return meta

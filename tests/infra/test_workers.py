@@ -120,7 +120,9 @@ def test_data_parallel_update_equals_one_worker(ray_local, assets) -> None:
     rep = Jagged.from_rows([r for r in prompts.rows() for _ in range(2)])
     adv = Jagged.from_rows([torch.randn(len(r)) for r in responses.rows()])
     fields = {"old_logprobs": logprobs, "advantages": adv}
-    digests = []
+    from tasks.update.stage import SHARED_LOSSES, combine_worker_metrics
+
+    digests, metrics = [], []
     for size in (1, 2):
         pool = create_pool(f"dp{size}", size, accelerator="gpu_slot")
         group = WorkerGroup(pool, _spec(assets, ("actor",)), call_timeout_s=120)
@@ -136,7 +138,7 @@ def test_data_parallel_update_equals_one_worker(ray_local, assets) -> None:
                 )
                 for sl in split(len(rep), size)
             ]
-            group.call_sharded(PPOWorker.update, shards)
+            metrics.append(combine_worker_metrics(group.call_sharded(PPOWorker.update, shards)))
             digests.append(group.call(PPOWorker.parameters_digest))
         finally:
             group.shutdown()
@@ -145,3 +147,8 @@ def test_data_parallel_update_equals_one_worker(ray_local, assets) -> None:
     assert two_a == two_b  # the two replicas stay identical
     for key in one:
         assert one[key] == pytest.approx(two_a[key], rel=1e-5, abs=1e-5), key
+    # The logged losses of two workers (sums of their shares) are those of one worker.
+    for key in SHARED_LOSSES:
+        if key in metrics[0]:
+            assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-7), key
+    assert metrics[0]["actor/pg_loss"] != 0.0
