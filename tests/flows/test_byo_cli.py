@@ -101,48 +101,41 @@ def test_rm_free_grpo_with_a_reward_function_and_validation(byo_train, byo) -> N
     _assert_validation_at_start_and_end(rows, val_n=1)
 
 
-def test_reward_model_with_another_tokenizer_mixed_with_a_function(byo_train, byo) -> None:
+def test_reward_model_with_another_tokenizer_mixed_with_a_function_and_a_critic(
+    byo_train, byo
+) -> None:
     rows = byo_train(
         f"models.reward_model={byo.reward_model}",
         "reward.model_weight=0.5",
         reward_functions(byo.score_fn),
+        "algorithm.estimator=gae",
     )
     train_rows = _train_rows(rows)
     assert len(train_rows) == 2
-    _finite_in_every_row(train_rows, RM_MEAN, FN_MEAN)
+    _finite_in_every_row(train_rows, RM_MEAN, FN_MEAN, "critic/vf_loss")
 
 
-def test_reward_model_with_another_tokenizer_and_a_critic(byo_train, byo) -> None:
-    rows = byo_train(f"models.reward_model={byo.reward_model}", "algorithm.estimator=gae")
-    train_rows = _train_rows(rows)
-    assert len(train_rows) == 2
-    _finite_in_every_row(train_rows, RM_MEAN, "critic/vf_loss")
-
-
-def test_jsonl_with_plain_string_prompts_and_mapped_keys(byo_train, byo) -> None:
+def test_jsonl_with_plain_string_prompts_and_mapped_keys_validated_at_mean_2(
+    byo_train, byo
+) -> None:
+    """Prompts from a JSONL under other keys (the same file validates, two samples per prompt,
+    with an interval longer than the run: validation still runs before the first step and at
+    the end)."""
     rows = byo_train(
         f"data.train_files={yaml_list(byo.train_jsonl)}",
         "data.prompt_key=question",
         "data.ground_truth_key=answer",
         "data.data_source_key=source",
         reward_functions(byo.score_fn),
+        f"data.val_files={yaml_list(byo.train_jsonl)}",
+        "trainer.eval_every=10",
+        "rollout.val_n=2",
     )
     train_rows = _train_rows(rows)
     assert len(train_rows) == 2
     _finite_in_every_row(train_rows, FN_MEAN)
     # The function saw the `source` column as data_source.
     assert all(r["reward_extra/known_source/mean"] == 1.0 for r in train_rows)
-
-
-def test_validation_with_two_samples_per_prompt_logs_mean_at_2(byo_train, byo) -> None:
-    """An interval longer than the run: validation still runs before the first step and at
-    the end."""
-    rows = byo_train(
-        reward_functions(byo.score_fn),
-        f"data.val_files={yaml_list(byo.val_parquet)}",
-        "trainer.eval_every=10",
-        "rollout.val_n=2",
-    )
     _assert_validation_at_start_and_end(rows, val_n=2)
 
 

@@ -1,0 +1,83 @@
+"""TRL as the pipeline benchmark's peer: which release and script each mode uses, its venv under
+``benchmarks/.venvs/`` (built on first use), and one run of its script in a subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .children import child_env, run_children
+from .settings import INSTALL_TIMEOUT_S, PEERS_DIR, QUIET_ENV, VENVS
+from .workload import WORK
+
+
+@dataclass(frozen=True)
+class Peer:
+    mode: str
+    script: str
+    venv: str
+    requirement: str
+    probe: str
+
+
+PEERS = {
+    "grpo": Peer("grpo", "trl_grpo.py", "trl-1.16.0", "trl==1.16.0", "from trl import GRPOTrainer"),
+    "ppo": Peer(
+        "ppo",
+        "trl_ppo.py",
+        "trl-1.12.0",
+        "trl==1.12.0",
+        "from trl.experimental.ppo import PPOTrainer",
+    ),
+}
+
+
+def ensure_venv(peer: Peer) -> tuple[Path | None, str]:
+    """The peer venv's python, building the venv on first use; (None, reason) on failure."""
+    venv = VENVS / peer.venv
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", peer.probe]
+    env = {**os.environ, **QUIET_ENV}
+    if (
+        python.exists()
+        and subprocess.run(probe, capture_output=True, env=env, timeout=600).returncode == 0
+    ):
+        return python, f"{peer.requirement} (venv reused)"
+    print(f"  building {venv} (torch==2.13.0 numpy, then {peer.requirement}) ...", flush=True)
+    steps = [
+        ["python3", "-m", "venv", str(venv)],
+        [str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "numpy"],
+        [str(python), "-m", "pip", "install", "-q", peer.requirement],
+        probe,
+    ]
+    log_path = VENVS / f"{peer.venv}-install.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        for step in steps:
+            try:
+                done = subprocess.run(
+                    step, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=INSTALL_TIMEOUT_S
+                )
+            except (OSError, subprocess.TimeoutExpired) as error:
+                return None, f"{' '.join(step[:5])} failed: {error}"
+            if done.returncode != 0:
+                return None, f"{' '.join(step[:5])} exited {done.returncode} (see {log_path})"
+    return python, f"{peer.requirement} (venv built)"
+
+
+def run_peer(
+    peer: Peer, python: Path, args: argparse.Namespace, work: Path, tag: str, threads: int
+) -> dict[str, Any]:
+    cmd = [str(python), str(PEERS_DIR / peer.script), "--work", str(work)]
+    cmd += ["--out", str(work / f"trl-{peer.mode}-out"), "--steps", str(args.steps)]
+    cmd += ["--warmup", str(args.warmup), "--threads", str(threads), "--lr", str(WORK.lr)]
+    cmd += ["--completions", str(WORK.completions), "--group-size", str(WORK.group_size)]
+    cmd += ["--response-tokens", str(WORK.response_tokens), "--kl-coef", str(WORK.kl_coef)]
+    cmd += ["--lam", str(WORK.lam)]
+    logs = work / f"trl-{peer.mode}-{tag}-t{threads}"
+    logs.mkdir()
+    return run_children({"trl": cmd}, env=child_env(work, threads, ppoflow=False), logs=logs)["trl"]

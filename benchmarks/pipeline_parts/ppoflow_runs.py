@@ -1,0 +1,323 @@
+"""ppoflow in the pipeline benchmark: the three variants (``flow``: the real ``ppo_train``;
+``ray+store``: ``Trainer.iteration`` with each task's plain ``.fn``; ``direct``: the same
+``PPOWorker`` methods in-process), the Baton that makes them take turns step by step, the
+child-side entry that runs one of them (or a solo flow) and prints its timed steps, and the
+driver-side launchers of those children."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .children import child_env, run_children
+from .measure import tree_cpu_s
+from .settings import ASYNC_OVERRIDES, CHILD_TIMEOUT_S, SCRIPT, STAGES, VARIANTS
+from .workload import ppoflow_config, resolved_models
+
+
+class Baton:
+    """Turn-taking between ppoflow variants run side by side: a file names whose step is next.
+
+    The three variants start together and then run their steps in turn (direct, ray+store,
+    flow, direct, ...), so step k of each sees nearly the same machine load: their ratio is
+    measured on paired steps even while other work comes and goes. Without a path, no-ops.
+    It also reads the process tree's CPU seconds: at the start of turns ``first`` and ``last``
+    (everything, the background between turns included) and around each turn in between (own
+    turns only).
+    """
+
+    def __init__(self, path: str | None, name: str, *, first: int, last: int) -> None:
+        self.path = Path(path) if path else None
+        self.name = name
+        turn_order = VARIANTS if name in VARIANTS else (name,)  # a solo run passes to itself
+        self.next = turn_order[(turn_order.index(name) + 1) % len(turn_order)]
+        self.turn, self.first, self.last = -1, first, last
+        self.window_cpu_s: dict[int, float] = {}
+        self.own_cpu_s = 0.0
+
+    def wait(self) -> None:
+        """Block until it is this variant's turn."""
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while self.path is not None:
+            turn = self.path.read_text() if self.path.exists() else ""
+            if turn == self.name:
+                break
+            if turn == "abort" or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: the paired run stopped ({turn or 'timeout'})")
+            time.sleep(0.005)
+        self.turn += 1
+        if self.first <= self.turn <= self.last:
+            self.window_cpu_s[self.turn] = tree_cpu_s(os.getpid())
+
+    def pass_on(self) -> None:
+        if self.first <= self.turn < self.last:
+            self.own_cpu_s += tree_cpu_s(os.getpid()) - self.window_cpu_s[self.turn]
+        if self.path is not None:
+            tmp = self.path.with_name(f"{self.path.name}.{self.name.replace('+', '-')}")
+            tmp.write_text(self.next)
+            tmp.replace(self.path)
+
+    def cpu_per_step(self) -> dict[str, float]:
+        steps = self.last - self.first
+        window = self.window_cpu_s[self.last] - self.window_cpu_s[self.first]
+        return {"cpu_s_per_step": window / steps, "own_turn_cpu_s_per_step": self.own_cpu_s / steps}
+
+
+@dataclass
+class Run:
+    """Per-step metrics rows, seconds of each step's turn, and store seconds (ray+store)."""
+
+    rows: list[dict[str, float]]
+    step_s: list[float]
+    store_s: list[float] = field(default_factory=list)
+
+
+def run_flow(cfg: Any, baton: Baton) -> Run:
+    """The real ``ppo_train``; a step runs from taking the turn to its metrics row being logged."""
+    import flows.report
+    from flows.train import ppo_train
+
+    begins, ends = [], []
+    start, log = flows.report.RunReport.start, flows.report.RunReport.log
+
+    def take_turn() -> None:
+        baton.wait()
+        begins.append(time.perf_counter())
+
+    def hooked_start(self: Any, step: int) -> None:
+        start(self, step)
+        take_turn()
+
+    def hooked_log(self: Any, step: int, metrics: dict[str, float]) -> None:
+        log(self, step, metrics)
+        ends.append(time.perf_counter())
+        baton.pass_on()
+        if step < cfg.trainer.total_steps - 1:
+            take_turn()
+
+    flows.report.RunReport.start = hooked_start  # type: ignore[method-assign]
+    flows.report.RunReport.log = hooked_log  # type: ignore[method-assign]
+    summary = ppo_train(cfg)
+    lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return Run([json.loads(line) for line in lines], [e - b for b, e in zip(begins, ends)])
+
+
+def turns(baton: Baton, steps: int, iteration: Any) -> Iterator[tuple[dict[str, float], float]]:
+    """Each step's metrics row and seconds, run in turn."""
+    for step in range(steps):
+        baton.wait()
+        begin = time.perf_counter()
+        row = iteration(step)
+        seconds = time.perf_counter() - begin
+        baton.pass_on()
+        yield row, seconds
+
+
+class TimedStore:
+    """Forwards to a store; adds up the seconds spent in its ``kv_*`` calls."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not name.startswith("kv_"):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def run_staged(cfg: Any, baton: Baton) -> Run:
+    """``Trainer.iteration`` on Ray workers and the store, each Prefect task's plain ``.fn``."""
+    import storage
+    from flows.loop import STAGES as TASKS
+    from flows.loop import Trainer
+    from flows.runtime import build_runtime
+
+    models = resolved_models(cfg)
+    opened: list[TimedStore] = []
+    open_store = storage.open_store
+    storage.open_store = lambda url: opened.append(TimedStore(open_store(url))) or opened[-1]
+    runtime = build_runtime(cfg, models)
+    run = Run([], [])
+    try:
+        from transformers import AutoTokenizer
+
+        from flows.inputs import load_datasets
+
+        tokenizer = AutoTokenizer.from_pretrained(models.tokenizer)
+        datasets = load_datasets(cfg, models, tokenizer)
+        trainer = Trainer(cfg, runtime, models, cfg.resolved_run_dir, datasets, tokenizer)
+        trainer.stages = {name: task.fn for name, task in TASKS.items()}
+        for row, seconds in turns(baton, cfg.trainer.total_steps, trainer.iteration):
+            run.rows.append(row)
+            run.step_s.append(seconds)
+            run.store_s.append(opened[0].seconds)
+            opened[0].seconds = 0.0
+    finally:
+        runtime.shutdown()
+    return run
+
+
+@contextmanager
+def timed(timing: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timing[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, float]:
+    """One iteration as plain calls: the stages' worker methods and pure functions, in order."""
+    import torch
+
+    from infra.transport import Jagged
+    from tasks.advantage.stage import compute
+    from tasks.batching import unpad
+    from tasks.generate.stage import generation_seed
+    from tasks.logprobs.stage import writes
+    from tasks.score.stage import rule_scores
+    from tasks.update.stage import update_fields
+
+    cfg, n, t = ctx.cfg, ctx.cfg.rollout.n, {}
+    start = time.perf_counter()
+    # 1. Prompts (the flow's submit), 2. generate, 3. score, 4. logprobs, 5. advantage, 6. update.
+    rows = data.next_batch(cfg.rollout.prompts_per_step)
+    ids = [
+        torch.tensor(
+            ctx.tokenizer.apply_chat_template(
+                r.raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for r in rows
+    ]
+    prompts = Jagged.from_rows([p for p in ids for _ in range(n)])
+    with timed(t, "generate"):
+        seed = generation_seed(cfg.seed, step)
+        responses, rollout_logprobs, _ = worker.generate(Jagged.from_rows(ids), n=n, seed=seed)
+    with timed(t, "score"):
+        raw = [r.raw_prompt for r in rows for _ in range(n)]
+        rm, _ = worker.score(prompts, responses, raw)
+        rule = rule_scores(ctx, responses, [r.ground_truth for r in rows for _ in range(n)])
+        scores = cfg.reward.model_weight * torch.from_numpy(rm) + cfg.reward.rule_weight * rule
+    with timed(t, "logprobs"):
+        needed = writes(ctx)  # nothing for one on-policy step without reference or critic
+        actor = "old_logprobs" in needed
+        fields = worker.forward(prompts, responses, actor=actor) if needed else {}
+        fields["rollout_logprobs"] = rollout_logprobs
+    with timed(t, "advantage"):
+        group_ids = torch.arange(len(rows)).repeat_interleave(n)  # (B,)
+        d = compute(
+            ctx,
+            {**fields, "response_ids": responses, "scores": scores, "group_ids": group_ids},
+            step,
+        )
+        lengths = responses.lengths
+        fields.update(
+            {k: Jagged.from_rows(unpad(d[k], lengths)) for k in ("advantages", "returns")}
+        )
+    with timed(t, "update"):
+        worker.update(prompts, responses, update_fields(ctx, fields))
+    t["timing_s/step"] = time.perf_counter() - start
+    t["perf/total_num_tokens"] = float(responses.lengths.sum())
+    return t
+
+
+def run_direct(cfg: Any, baton: Baton) -> Run:
+    """One ``PPOWorker`` with the flow's roles and spec, in this process."""
+    from transformers import AutoTokenizer
+
+    from flows.runtime import _spec, _train_roles
+    from infra.data import PromptDataset
+    from infra.workers import PPOWorker
+    from tasks.context import StageContext
+    from tasks.kl import FixedKLController
+
+    models = resolved_models(cfg)
+    worker = PPOWorker(_spec(cfg, models, _train_roles(cfg)))
+    ctx = StageContext(
+        cfg=cfg,
+        store=None,
+        tokenizer=AutoTokenizer.from_pretrained(models.tokenizer),
+        train_group=None,
+        kl_controller=FixedKLController(coef=cfg.algorithm.kl.coef),
+    )
+    data = PromptDataset(Path(models.train_data), seed=cfg.seed)
+    steps = turns(baton, cfg.trainer.total_steps, lambda k: direct_iteration(worker, ctx, data, k))
+    rows, seconds = zip(*steps)
+    return Run(list(rows), list(seconds))
+
+
+RUNNERS = {
+    "flow": run_flow,
+    "ray+store": run_staged,
+    "direct": run_direct,
+    "flow-async": run_flow,
+    "flow@all": run_flow,
+}
+
+
+def child_main(args: argparse.Namespace) -> None:
+    """Inside the subprocess: run one ppoflow variant, print its timed steps as one JSON line."""
+    started = time.perf_counter()
+    total = args.warmup + args.steps + 1  # the last step also evaluates: never timed
+    run_dir = Path(args.work) / "runs" / f"{args.mode}-{args.child.replace('+', '-')}"
+    extra = ASYNC_OVERRIDES if args.child == "flow-async" else ()
+    cfg = ppoflow_config(
+        args.mode, Path(args.work), run_dir, total_steps=total, threads=args.threads, extra=extra
+    )
+    first, last = args.warmup, args.warmup + args.steps
+    baton = Baton(args.baton, args.child, first=first, last=last)
+    run = RUNNERS[args.child](cfg, baton)
+    timed_steps = range(first, last)
+    result = {
+        "ok": True,
+        "step_s": [run.step_s[k] for k in timed_steps],
+        "iteration_s": [run.rows[k]["timing_s/step"] for k in timed_steps],
+        "stages_s": {
+            s: [run.rows[k].get(f"timing_s/{s}", 0.0) for k in timed_steps] for s in STAGES
+        },
+        "store_s": [run.store_s[k] for k in timed_steps] if run.store_s else None,
+        "tokens": [run.rows[k]["perf/total_num_tokens"] for k in timed_steps],
+        **baton.cpu_per_step(),
+        "wall_s": time.perf_counter() - started,
+    }
+    print(json.dumps(result), flush=True)
+
+
+def run_ppoflow(mode: str, args: argparse.Namespace, work: Path, tag: str) -> dict[str, Any]:
+    """The three variants side by side, taking turns step by step."""
+    logs = work / f"ppoflow-{mode}-{tag}"
+    logs.mkdir()
+    script = [sys.executable, str(SCRIPT), "--mode", mode, "--work", str(work)]
+    script += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    script += ["--threads", str(args.threads), "--baton", str(logs / "turn")]
+    cmds = {v: [*script, "--child", v] for v in VARIANTS}
+    return run_children(cmds, env=child_env(work, args.threads), logs=logs, baton=logs / "turn")
+
+
+def run_solo(
+    name: str, mode: str, args: argparse.Namespace, work: Path, tag: str, threads: int
+) -> dict[str, Any]:
+    """One ppoflow flow alone on the machine (no turn-taking): ``flow-async`` or ``flow@all``."""
+    logs = work / f"ppoflow-{mode}-{tag}-{name.replace('@', '-')}"
+    logs.mkdir()
+    cmd = [sys.executable, str(SCRIPT), "--mode", mode, "--work", str(work)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(threads)]
+    cmd += ["--child", name]
+    return run_children({name: cmd}, env=child_env(work, threads), logs=logs)[name]
