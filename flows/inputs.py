@@ -2,8 +2,8 @@
 
 ``check_inputs(cfg)`` fails with one-line errors naming the setting: model folders that do not
 exist (a hub id is not a local folder), dataset files, reward-function files and functions.
-``load_datasets(cfg, models, tokenizer)`` reads the prompt files, renders every prompt with the
-policy tokenizer's chat template and applies ``data.max_prompt_length`` / ``data.truncation``
+``load_datasets(cfg, models, tokenizer)`` reads the prompt files, renders a user's prompts with
+the policy tokenizer's chat template and applies ``data.max_prompt_length`` / ``data.truncation``
 (``error`` fails here, naming the file and the row). Both run in the CLI before the flow starts
 and again at the start of the flow (a deployment run has no CLI in front of it).
 """
@@ -86,27 +86,19 @@ def _rendered(cfg: TrainConfig, files: list[Path], tokenizer: Any, setting: str)
 
 
 def load_datasets(cfg: TrainConfig, models: Any, tokenizer: Any) -> Datasets:
-    """The run's prompt datasets, every prompt rendered to token ids (see the module docstring)."""
-    from infra.data import PromptDataset, read_prompt_rows, render_prompts
+    """The run's prompt datasets, a user's prompts rendered to token ids (see the module
+    docstring)."""
+    from infra.data import PromptDataset, read_prompt_rows
 
     data = cfg.data
     if data.builtin:
-        # The built-in addition task: its train file, and its held-out file for the rule accuracy.
+        # The built-in addition task's prompts are a few tokens long: each step renders its own
+        # (``tasks.generate.stage.row_prompt_ids``); the held-out ones are ``heldout_rows``.
         rows = read_prompt_rows(Path(models.train_data))
-        train = render_prompts(
-            rows,
-            tokenizer,
-            max_prompt_length=data.max_prompt_length,
-            truncation="error",
-            setting="data.train_files",
+        train_set = PromptDataset.from_rows(
+            rows, seed=cfg.seed, shuffle=data.shuffle, name="addition"
         )
-        return Datasets(
-            train=PromptDataset.from_rows(
-                train.rows, seed=cfg.seed, shuffle=data.shuffle, name="addition"
-            ),
-            val=None,
-            notes={},
-        )
+        return Datasets(train=train_set, val=None, notes={})
     train = _rendered(cfg, data.train_files, tokenizer, "data.train_files")
     if len(train.rows) < cfg.rollout.prompts_per_step:
         raise InputError(

@@ -20,9 +20,8 @@ Estimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus"]
 ESTIMATOR_ALIASES = {"reinforce_pp": "reinforce_plus_plus"}
 Truncation = Literal["error", "left", "drop"]
 Logger = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
-# The optional extra that brings each tracker, and the module whose presence proves it.
-LOGGER_EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-LOGGER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+# Each tracker beside metrics.jsonl: the optional extra that brings it, named as its module.
+LOGGER_EXTRAS = ("tensorboard", "wandb", "mlflow")
 Mode = Literal["sync", "colocate_async", "separate_async"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLKind = Literal["k1", "abs", "k2", "k3"]
@@ -429,11 +428,10 @@ class TrainConfig(_Section):
                 )
             )
         for logger in self.trainer.loggers:
-            module = LOGGER_MODULES.get(logger)
-            if module is not None and importlib.util.find_spec(module) is None:
+            if logger in LOGGER_EXTRAS and importlib.util.find_spec(logger) is None:
                 raise ValueError(
-                    f"trainer.loggers names {logger!r} but {module} is not installed: "
-                    f"pip install 'ppoflow[{LOGGER_EXTRAS[logger]}]' or remove it from trainer.loggers"
+                    f"trainer.loggers names {logger!r} but {logger} is not installed: "
+                    f"pip install 'ppoflow[{logger}]' or remove it from trainer.loggers"
                 )
         if (
             self.resources.mode == "separate_async"

@@ -58,11 +58,21 @@ def writes(ctx: StageContext) -> tuple[str, ...]:
     )
 
 
-def rule_scores(ctx: StageContext, responses: Jagged, ground_truth: list[object]) -> torch.Tensor:
-    rule = RULES[ctx.cfg.reward.rule]
-    texts = ctx.tokenizer.batch_decode(
+def decode_responses(ctx: StageContext, responses: Jagged) -> list[str]:
+    """The responses as text, special tokens skipped (what rules and reward functions read)."""
+    texts: list[str] = ctx.tokenizer.batch_decode(
         [r.tolist() for r in responses.rows()], skip_special_tokens=True
     )
+    return texts
+
+
+def rule_scores(ctx: StageContext, responses: Jagged, ground_truth: list[object]) -> torch.Tensor:
+    return rule_on_texts(ctx, decode_responses(ctx, responses), ground_truth)
+
+
+def rule_on_texts(ctx: StageContext, texts: list[str], ground_truth: list[object]) -> torch.Tensor:
+    """``reward.rule`` of each decoded response against its ground truth, (B,) float32."""
+    rule = RULES[ctx.cfg.reward.rule]
     return torch.tensor(
         [rule(t, str(g)) for t, g in zip(texts, ground_truth, strict=True)], dtype=torch.float32
     )
@@ -101,12 +111,11 @@ def _reward_model_scores(
     return rm, truncated
 
 
-def _function_scores(ctx: StageContext, keys: tuple[str, ...], data: dict[str, Any]) -> Any:
+def _function_scores(
+    ctx: StageContext, keys: tuple[str, ...], texts: list[str], data: dict[str, Any]
+) -> Any:
     from infra.reward_functions import RewardSample
 
-    texts = ctx.tokenizer.batch_decode(
-        [r.tolist() for r in data["response_ids"].rows()], skip_special_tokens=True
-    )
     samples = [
         RewardSample(
             key=key,
@@ -130,6 +139,9 @@ def compute_scores(
     weights = ctx.cfg.reward
     batch = len(keys)
     out = Scores(total=torch.zeros(batch, dtype=torch.float32))
+    texts = (
+        decode_responses(ctx, data["response_ids"]) if weights.functions or uses_rule(ctx) else []
+    )
     # 1. The reward model, if any.
     if ctx.reward_group is not None:
         out.rm, truncated = _reward_model_scores(ctx, keys, partition, data)
@@ -140,12 +152,12 @@ def compute_scores(
     if weights.functions:
         from infra.reward_functions import metrics as function_metrics
 
-        fs = _function_scores(ctx, keys, data)
+        fs = _function_scores(ctx, keys, texts, data)
         out.total += torch.tensor(fs.total, dtype=torch.float32)
         out.metrics.update(function_metrics(fs))
     # 3. The rule.
     if uses_rule(ctx):
-        out.rule = rule_scores(ctx, data["response_ids"], data["ground_truth"])
+        out.rule = rule_on_texts(ctx, texts, data["ground_truth"])
         out.total += weights.rule_weight * out.rule
         out.metrics["reward/rule/mean"] = float(out.rule.mean())
     return out
