@@ -26,6 +26,7 @@ from infra.rl_data import (
     PromptRow,
     PromptTooLongError,
     RenderedPrompts,
+    chat_prompt_ids,
     read_rl_rows,
     render_prompts,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "RenderedPrompts",
     "addition_prompt",
     "addition_rule",
+    "chat_prompt_ids",
     "make_addition_dataset",
     "read_prompt_rows",
     "read_rl_rows",

@@ -249,18 +249,22 @@ def render_prompts(
     return RenderedPrompts(rows=tuple(kept), truncated=truncated, dropped=dropped, longest=longest)
 
 
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Any) -> tuple[int, ...]:
+    """The tokenizer's chat template over ``messages`` with the generation prompt, as ids
+    (transformers returns a list, or ``input_ids`` of a dict)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    return tuple(int(token) for token in out)
+
+
 def _prompt_ids(tokenizer: PreTrainedTokenizerBase, row: PromptRow) -> tuple[int, ...]:
-    """The chat template with the generation prompt, as ids (a list, or ``input_ids`` of a dict)."""
+    """``chat_prompt_ids`` of a row; a template error names the row and the settings."""
     try:
-        out = tokenizer.apply_chat_template(
-            row.raw_prompt, add_generation_prompt=True, tokenize=True
-        )
+        return chat_prompt_ids(tokenizer, row.raw_prompt)
     except Exception as err:  # a template error names neither the row nor the setting
         raise DataError(
             f"{row.origin or row.uid}: the chat template failed on this prompt "
             f"({_first_line(err)}); "
             "check data.prompt_key or models.tokenizer"
         ) from err
-    if isinstance(out, Mapping):
-        out = out["input_ids"]
-    return tuple(int(token) for token in out)

@@ -14,6 +14,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from infra.data import chat_prompt_ids
 from infra.group import concat, split, take
 from infra.transport import Jagged
 from infra.workers import PPOWorker
@@ -31,20 +32,11 @@ def sample_keys(uids: list[str], n: int) -> list[str]:
     return [f"{uid}/{i}" for uid in uids for i in range(n)]
 
 
-def prompt_token_ids(tokenizer: Any, raw_prompt: Any) -> torch.Tensor:
-    """The policy's chat template applied to ``raw_prompt`` with the generation prompt, as ids."""
-    ids = tokenizer.apply_chat_template(
-        raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return torch.tensor(ids, dtype=torch.int64)
-
-
 def row_prompt_ids(tokenizer: Any, row: Any) -> torch.Tensor:
-    """A row's rendered prompt ids (``infra.data.render_prompts`` fills them) as a tensor."""
-    ids = getattr(row, "prompt_ids", ())
-    if len(ids):
-        return torch.tensor(ids, dtype=torch.int64)
-    return prompt_token_ids(tokenizer, row.raw_prompt)
+    """A row's prompt ids as a tensor: those ``infra.data.render_prompts`` filled in, else the
+    policy's chat template rendered now (the built-in task's short prompts)."""
+    ids = getattr(row, "prompt_ids", ()) or chat_prompt_ids(tokenizer, row.raw_prompt)
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def submit_prompts(
