@@ -6,7 +6,7 @@ not their sum. This script builds a small policy and reward model (transformers,
 back with from_pretrained), then on one CUDA device:
 
 1. "side by side": loads every role awake at once and runs the same iteration; records the peak.
-2. "colocated": a ``PPOWorker`` whose roles sleep (weights and optimizer state offloaded to CPU)
+2. "colocated": a ``ModelWorker`` whose roles sleep (weights and optimizer state offloaded to CPU)
    except the one working; records the peak of generate → score → logprobs/values → update.
 
     python benchmarks/gpu_check_colocation.py [--out benchmarks/results/gpu_check_colocation.json]
@@ -43,73 +43,100 @@ def _build(root: Path, hidden: int, layers: int) -> Any:
     return build_tiny_assets(root, seed=0, policy=spec, reward=spec)
 
 
-def _iteration(worker: Any, prompts: Any, n: int) -> dict[str, float]:
-    from infra.transport import Jagged
+def _iteration(worker: Any, prompts: Any, samples: Any, n: int) -> dict[str, float]:
+    """One iteration of the stages' worker-side steps through the worker's in-process store."""
+    from tasks.generate.stage import generate_rows
+    from tasks.io import nested, rows
+    from tasks.logprobs.stage import forward_rows
+    from tasks.score.stage import score_rows
+    from tasks.update.stage import actor_settings, critic_settings, update_rows
 
+    keys, partition = list(samples.keys), samples.partition_id
+    worker.store.kv_clear(partition, [k for k in keys])
     t0 = time.perf_counter()
-    responses, logprobs, _ = worker.generate(prompts, n=n, seed=0)
-    rep = Jagged.from_rows([r for r in prompts.rows() for _ in range(n)])
-    raw = [[{"role": "user", "content": "12+34="}]] * len(rep)
-    worker.score(rep, responses, raw)
-    fwd = worker.forward(rep, responses)
-    adv = Jagged.from_rows([torch.ones(len(r)) for r in responses.rows()])
-    fields = {
-        "old_logprobs": fwd["old_logprobs"],
-        "advantages": adv,
-        "values": fwd["values"],
-        "returns": adv,
-    }
-    if "ref_logprobs" in fwd:
-        fields["ref_logprobs"] = fwd["ref_logprobs"]
-    worker.update(rep, responses, fields)
+    worker.run(generate_rows, prompts, n=n, seed=0, first_group=0)
+    worker.run(score_rows, samples, rule=None, texts=False)
+    worker.run(forward_rows, samples, names=("old_logprobs", "ref_logprobs", "values"))
+    responses = worker.store.kv_batch_get(keys, partition, ["response_ids"])["response_ids"]
+    adv = nested([torch.ones(len(r)) for r in rows(responses)])
+    worker.store.kv_batch_put(keys, partition, {"advantages": adv, "returns": adv})
+    names = ("old_logprobs", "ref_logprobs", "advantages", "values", "returns")
+    worker.run(
+        update_rows,
+        samples,
+        fields={k: k for k in names},
+        actor=actor_settings(worker.cfg, 1),
+        critic=critic_settings(worker.cfg, 1),
+    )
     torch.cuda.synchronize()
     return {"seconds": time.perf_counter() - t0}
 
 
 def _measure(assets: Any, *, colocated: bool, prompts_n: int, n: int) -> dict[str, float]:
-    from infra.config import AlgorithmConfig, KLConfig, OptimConfig, RolloutConfig
-    from infra.transport import Jagged
-    from infra.workers import PPOWorker, WorkerSpec
+    from infra.config import load_config
+    from infra.workers import ModelWorker, WorkerSpec
+    from storage import BatchMeta, open_store
+    from tasks.generate.stage import sample_meta
+    from tasks.io import nested
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    batch = prompts_n * n
+    cfg = load_config(
+        None,
+        [
+            "resources.device=cuda",
+            "rollout.max_new_tokens=64",
+            "rollout.min_new_tokens=64",
+            f"rollout.n={n}",
+            "algorithm.estimator=gae",
+            "algorithm.kl.loss_coef=0.01",
+            f"actor.mini_batch_size={batch}",
+            f"actor.micro_batch_size={batch}",
+            f"critic.mini_batch_size={batch}",
+            f"critic.micro_batch_size={batch}",
+        ],
+    )
+    store = open_store("memory://gpu-check")
     spec = WorkerSpec(
         roles=("rollout", "reward", "actor", "ref", "critic"),
+        cfg=cfg,
         policy_path=str(assets.policy),
         tokenizer_path=str(assets.tokenizer),
         reward_model_path=str(assets.reward_model),
         critic_path=str(assets.critic),
-        device="cuda",
-        rollout=RolloutConfig(max_new_tokens=64, min_new_tokens=64, n=n),
-        algorithm=AlgorithmConfig(estimator="gae", kl=KLConfig(loss_coef=0.01)),
-        actor_optim=OptimConfig(mini_batch_size=prompts_n * n, micro_batch_size=prompts_n * n),
-        critic_optim=OptimConfig(mini_batch_size=prompts_n * n, micro_batch_size=prompts_n * n),
+        store_url=store.url,
     )
-    worker = PPOWorker(spec)
+    worker = ModelWorker(spec)
     if not colocated:  # every role awake at once: what separate processes/devices would hold
         for role in spec.roles:
             worker.group._models[role].wake_up()  # noqa: SLF001 - deliberate: bypass the turn-taking
         worker.group = _AllAwake(worker.group)
     tok = worker.tokenizer
-    prompts = Jagged.from_rows(
-        [
-            torch.tensor(
-                tok.apply_chat_template(
-                    [{"role": "user", "content": f"{10 + i}+{20 + i}="}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=False,
-                )
-            )
-            for i in range(prompts_n)
-        ]
+    messages = [[{"role": "user", "content": f"{10 + i}+{20 + i}="}] for i in range(prompts_n)]
+    ids = [
+        torch.tensor(
+            tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        for m in messages
+    ]
+    prompts = BatchMeta("gpu-check", tuple(f"p{i}/0" for i in range(prompts_n)))
+    samples = sample_meta(prompts, n)
+    store.kv_batch_put(
+        list(samples.keys),
+        "gpu-check",
+        {
+            "prompt_ids": nested([p for p in ids for _ in range(n)]),
+            "raw_prompt": [m for m in messages for _ in range(n)],
+        },
     )
-    _iteration(worker, prompts, n)  # warm-up (allocator, kernels)
+    _iteration(worker, prompts, samples, n)  # warm-up (allocator, kernels)
     torch.cuda.reset_peak_memory_stats()
-    timing = _iteration(worker, prompts, n)
+    timing = _iteration(worker, prompts, samples, n)
     peak = torch.cuda.max_memory_allocated() - base
     del worker
+    store.close()
     torch.cuda.empty_cache()
     return {"peak_gib": peak / 2**30, **timing}
 

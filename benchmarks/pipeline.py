@@ -25,7 +25,7 @@ generated tokens of a step over the median step:
    ``flow`` (``flows.train.ppo_train``: Prefect tasks, Ray workers, the ``memory://`` store;
    stage times from ``metrics.jsonl``; a step runs from taking the turn to its metrics row being
    logged), ``ray+store`` (the same ``Trainer.iteration`` with each Prefect task replaced by its
-   plain ``.fn``, store calls timed) and ``direct`` (the same ``PPOWorker`` methods called
+   plain ``.fn``, store calls timed) and ``direct`` (the same ``ModelWorker`` methods called
    in-process: no Prefect, no store, no Ray). Overhead = median over paired steps of
    flow / direct - 1, split into store, Ray (and the loop's bookkeeping), Prefect tasks and
    per-step reporting.
@@ -43,7 +43,7 @@ generated tokens of a step over the median step:
    On 2 vCPUs the second CPU adds ~40 % of throughput, not 100 % (TRL: 1.45 s -> 1.03 s a
    GRPO step at 1 -> 2 threads), so this comparison is the one a user with the machine sees.
 4. Peak memory: summed RSS sampled from /proc every 0.5 s: for ppoflow the driver plus its Ray
-   ``PPOWorker`` actors (``tree``: every process below the driver, Ray's daemons and Prefect's
+   ``ModelWorker`` actors (``tree``: every process below the driver, Ray's daemons and Prefect's
    temporary server included); for TRL its process.
 
 Prints a table and writes ``benchmarks/results/pipeline.json`` with the load average of every

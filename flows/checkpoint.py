@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from infra.workers import ModelWorker
+from storage import BatchMeta
 
 STATE = "state.json"
 
@@ -62,3 +66,58 @@ def save_checkpoint(
 
 def read_state(path: Path) -> dict[str, Any]:
     return json.loads((path / STATE).read_text())
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``restore`` put back: the checkpoint's step, the policy version, the partitions
+    submitted for later steps."""
+
+    path: Path
+    step: int
+    version: int
+    submitted: dict[int, BatchMeta]
+
+
+def restore(path: Path, *, rt: Any, ctx: Any, data: Any) -> Restored:
+    """Load a checkpoint into the workers (and a separate rollout pool), the data cursor, the
+    KL controller and the store."""
+    from tasks.update.stage import sync_rollout_weights
+
+    state = read_state(path)
+    version = min(rt.train_group.call(ModelWorker.load_checkpoint, str(path / "workers")))
+    sync_rollout_weights(ctx)
+    data.load_state_dict(state["data"])
+    ctx.kl_controller.load_state_dict(state["kl"])
+    if state["partitions"]:
+        rt.store.load(path / "store")
+    submitted = {int(s): BatchMeta.from_json(m) for s, m in state["submitted"].items()}
+    return Restored(path, int(state["step"]), version, submitted)
+
+
+def checkpoint_run(
+    run_dir: Path,
+    step: int,
+    *,
+    rt: Any,
+    ctx: Any,
+    data: Any,
+    pending: dict[int, BatchMeta],
+    keep: int,
+) -> Path:
+    """Save the run after ``step``: workers, data cursor, KL controller and the partitions
+    ``pending`` (submitted for later steps)."""
+    state = {
+        "data": data.state_dict(),
+        "kl": ctx.kl_controller.state_dict(),
+        "submitted": {str(s): m.to_json() for s, m in pending.items()},
+    }
+    return save_checkpoint(
+        run_dir,
+        step,
+        state=state,
+        save_workers=lambda path: rt.train_group.call(ModelWorker.save_checkpoint, path),
+        store=rt.store,
+        partitions=[m.partition_id for m in pending.values()],
+        keep=keep,
+    )

@@ -6,39 +6,40 @@ How the three modes differ here:
 - ``colocate_async``: when a step finds no responses, the rollout wakes once and generates this
   step and the next ``max_staleness`` steps (prompts submitted ahead), saving wake/sleep cycles;
   a batch generated ``j`` steps ahead is ``j`` policy versions stale (≤ max_staleness).
-- ``separate_async``: a producer thread runs the generate and score tasks of the coming steps,
-  up to ``max_staleness`` steps ahead of the trainer, on the rollout and reward pools; the
-  training loop waits for its step's scored rows and runs logprobs → advantage → update on the
-  training pool meanwhile. Both threads' tasks belong to the flow run (the producer runs in a
-  copy of the flow's context), so the UI shows generate/score of step k+1 beside update of k.
+- ``separate_async``: a producer thread (flows.producer) runs the generate and score tasks of
+  the coming steps, up to ``max_staleness`` steps ahead of the trainer, on the rollout and reward
+  pools; the training loop waits for its step's scored rows and runs logprobs → advantage →
+  update on the training pool meanwhile.
+
+Resuming and checkpoints are flows.checkpoint's, evaluation flows.evaluation's; ``Trainer.run``
+returns a ``RunResult``.
 """
 
 from __future__ import annotations
 
-import contextvars
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from flows.checkpoint import latest_checkpoint, read_state, save_checkpoint
+from flows.checkpoint import checkpoint_run, latest_checkpoint, restore
+from flows.evaluation import Evaluator
 from flows.inputs import Datasets, heldout_rows
+from flows.producer import RolloutProducer
 from flows.report import RunReport
 from flows.reward_model import ResolvedModels
 from flows.runtime import Runtime
 from infra.config import TrainConfig
-from infra.transport import Jagged
-from infra.workers import PPOWorker
+from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.advantage.stage import advantage
 from tasks.context import StageContext
-from tasks.generate.stage import generate, row_prompt_ids, submit_prompts
+from tasks.generate.stage import generate, submit_prompts
 from tasks.kl import AdaptiveKLController, FixedKLController
 from tasks.logprobs.stage import logprobs
 from tasks.logprobs.stage import writes as logprob_writes
-from tasks.score.stage import NonFiniteScoreError, rule_scores, score
+from tasks.score.stage import NonFiniteScoreError, score
 from tasks.update.stage import update
 from tasks.validate.stage import validate
 
@@ -76,6 +77,16 @@ class StalenessError(RuntimeError):
     """A batch is older than ``resources.max_staleness`` policy versions."""
 
 
+@dataclass(frozen=True)
+class RunResult:
+    """What one flow run did: the steps it ran, its report and its last checkpoint."""
+
+    report: RunReport
+    first_step: int
+    last_step: int
+    checkpoint: Path | None
+
+
 class Trainer:
     """Runs the iterations of one flow run; see the module docstring."""
 
@@ -106,9 +117,7 @@ class Trainer:
             reward_pool=rt.reward_pool,
         )
         self.data = datasets.train
-        self.val_rows = datasets.val  # user validation prompts (None: none)
         self.notes = datasets.notes
-        self.heldout = heldout_rows(cfg, models, tokenizer) if cfg.data.builtin else []
         self.stages = {
             name: fn.with_options(
                 retries=cfg.orchestration.retries,
@@ -118,53 +127,40 @@ class Trainer:
             )
             for name, fn in STAGES.items()
         }
+        heldout = heldout_rows(cfg, models, tokenizer) if cfg.data.builtin else []
+        self.evaluate = Evaluator(
+            self.ctx,
+            lambda *args: self.stages["validate"](*args),
+            val_rows=datasets.val,
+            heldout=heldout,
+        )
         self.submitted: dict[int, BatchMeta] = {}
-        self.produced: dict[int, BatchMeta] = {}  # separate_async: generated and scored
         self.submit_lock = threading.Condition()
         self.version = 0
-        self.start_step = 0
         self.last_checkpoint: Path | None = None
-        self.producer_error: BaseException | None = (
-            None  # set by the separate_async producer thread
-        )
+        self.producer: RolloutProducer | None = None
 
     # ------------------------------------------------------------------ resume / checkpoint
     def resume(self) -> int:
         """Load the latest checkpoint when ``trainer.resume == 'auto'``; returns the first step to run."""
-        ckpt = latest_checkpoint(self.run_dir) if self.cfg.trainer.resume == "auto" else None
-        if ckpt is None:
+        path = latest_checkpoint(self.run_dir) if self.cfg.trainer.resume == "auto" else None
+        if path is None:
             return 0
-        state = read_state(ckpt)
-        self.version = min(
-            self.rt.train_group.call(PPOWorker.load_checkpoint, str(ckpt / "workers"))
-        )
-        if self.rt.rollout_group is not self.rt.train_group:
-            from tasks.update.stage import sync_rollout_weights
-
-            sync_rollout_weights(self.ctx)
-        self.data.load_state_dict(state["data"])
-        self.ctx.kl_controller.load_state_dict(state["kl"])
-        if state["partitions"]:
-            self.rt.store.load(ckpt / "store")
-        self.submitted = {int(s): BatchMeta.from_json(m) for s, m in state["submitted"].items()}
-        self.last_checkpoint = ckpt
-        return int(state["step"]) + 1
+        restored = restore(path, rt=self.rt, ctx=self.ctx, data=self.data)
+        self.version, self.submitted = restored.version, restored.submitted
+        self.last_checkpoint = path
+        return restored.step + 1
 
     def checkpoint(self, step: int) -> None:
         with self.submit_lock:
             pending = {s: m for s, m in self.submitted.items() if s > step}
-            state = {
-                "data": self.data.state_dict(),
-                "kl": self.ctx.kl_controller.state_dict(),
-                "submitted": {str(s): m.to_json() for s, m in pending.items()},
-            }
-            self.last_checkpoint = save_checkpoint(
+            self.last_checkpoint = checkpoint_run(
                 self.run_dir,
                 step,
-                state=state,
-                save_workers=lambda path: self.rt.train_group.call(PPOWorker.save_checkpoint, path),
-                store=self.rt.store,
-                partitions=[m.partition_id for m in pending.values()],
+                rt=self.rt,
+                ctx=self.ctx,
+                data=self.data,
+                pending=pending,
                 keep=self.cfg.trainer.keep_checkpoints,
             )
 
@@ -179,55 +175,6 @@ class Trainer:
                 )
                 self.submit_lock.notify_all()
             return self.submitted[step]
-
-    def wait_produced(self, step: int) -> BatchMeta:
-        """separate_async: the step's generated and scored partition, once the producer has it.
-        A producer failure is raised at once; no rows within ``store.get_timeout_s`` is a
-        TimeoutError naming the step."""
-        deadline = time.monotonic() + self.ctx.get_timeout
-        with self.submit_lock:
-            while step not in self.produced:
-                if self.producer_error is not None:
-                    raise RuntimeError(
-                        f"no rollout for step {step}: the producer failed: {self.producer_error!r}"
-                    ) from self.producer_error
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"no rollout for step {step} within store.get_timeout_s="
-                        f"{self.ctx.get_timeout:.0f} s"
-                    )
-                self.submit_lock.wait(left)
-            return self.produced.pop(step)
-
-    def _produce(self, first: int, stop: threading.Event) -> None:
-        """separate_async: run the generate and score tasks up to max_staleness steps ahead."""
-        step = first
-        try:
-            while not stop.is_set() and step < self.cfg.trainer.total_steps:
-                with self.submit_lock:
-                    while (
-                        self.version < step - self.cfg.resources.max_staleness - self.start_step
-                        and not stop.is_set()
-                    ):
-                        self.submit_lock.wait(0.5)
-                if stop.is_set():
-                    return
-                meta = self.submit(step)
-                t0 = time.perf_counter()
-                meta = self.stages["generate"](self.ctx, [meta], step)[0]
-                t1 = time.perf_counter()
-                meta = self.stages["score"](self.ctx, meta, step)
-                seconds = {"timing_s/generate": t1 - t0, "timing_s/score": time.perf_counter() - t1}
-                self.ctx.record(step, seconds)
-                with self.submit_lock:
-                    self.produced[step] = meta
-                    self.submit_lock.notify_all()
-                step += 1
-        except BaseException as exc:  # raised in the training loop by wait_produced
-            self.producer_error = exc
-            with self.submit_lock:
-                self.submit_lock.notify_all()
 
     def metas_for(self, step: int) -> list[BatchMeta]:
         """The partitions the generate task should fill at ``step`` (sync, colocate_async)."""
@@ -250,10 +197,10 @@ class Trainer:
             return out
 
         # 1.-2. generate (possibly several partitions ahead) and score; separate_async: the
-        # producer thread has run both (see _produce), wait for its scored rows.
-        if self.cfg.resources.mode == "separate_async":
+        # producer thread (flows.producer) has run both: wait for its scored rows.
+        if self.producer is not None:
             t0 = time.perf_counter()
-            meta = self.wait_produced(step)
+            meta = self.producer.wait(step)
             timing["timing_s/wait_rollout"] = time.perf_counter() - t0
             self._check_staleness(meta, step)
         else:
@@ -273,26 +220,15 @@ class Trainer:
             self.version += 1
             self.submit_lock.notify_all()
         # 6. Wake/sleep seconds of the colocated roles (first training worker), then drop the partition.
-        self.ctx.record(step, self.rt.train_group.call(PPOWorker.timing)[0])
+        self.ctx.record(step, self.rt.train_group.call(ModelWorker.timing)[0])
         # Drop the finished partition.
-        lengths = self._response_lengths(meta)
         self.rt.store.kv_clear(meta.partition_id)
         self.submitted.pop(step, None)
         timing["timing_s/step"] = time.perf_counter() - t_step
-        tokens = int(lengths.sum())
-        return {
-            **timing,
-            "response_length/mean": float(lengths.float().mean()),
-            "response_length/max": float(lengths.max()),
-            "perf/total_num_tokens": float(tokens),
-            "perf/throughput": tokens / timing["timing_s/step"],
-        }
-
-    def _response_lengths(self, meta: BatchMeta) -> torch.Tensor:
-        td = self.rt.store.kv_batch_get(
-            list(meta.keys), meta.partition_id, ["response_ids"], timeout=0
-        )
-        return td["response_ids"].offsets().diff()
+        tokens = self.ctx.metrics[step].get("perf/total_num_tokens")  # logged by the score task
+        if tokens is not None:
+            timing["perf/throughput"] = tokens / timing["timing_s/step"]
+        return timing
 
     def _check_staleness(self, meta: BatchMeta, step: int) -> None:
         td = self.rt.store.kv_batch_get(
@@ -307,28 +243,10 @@ class Trainer:
                 f"{self.cfg.resources.max_staleness}"
             )
 
-    # ------------------------------------------------------------------ evaluation
-    @property
-    def evaluates(self) -> bool:
-        """The built-in task's rule accuracy, or validation on ``data.val_files``."""
-        return bool(self.heldout) or bool(self.val_rows)
-
-    def evaluate(self, step: int) -> dict[str, float]:
-        """The built-in task's greedy rule accuracy on held-out prompts (the honest metric beside
-        the reward model's score), or the ``validate`` task on the user's validation prompts."""
-        if self.val_rows:
-            return dict(self.stages["validate"](self.ctx, self.val_rows, step))
-        prompts = Jagged.from_rows([row_prompt_ids(self.ctx.tokenizer, r) for r in self.heldout])
-        responses, _, _ = self.rt.rollout_group.call(
-            PPOWorker.generate, prompts, n=1, seed=0, temperature=0.0
-        )[0]
-        accuracy = rule_scores(self.ctx, responses, [r.ground_truth for r in self.heldout])
-        return {"eval/rule_accuracy": float(accuracy.mean())}
-
     # ------------------------------------------------------------------ the run
-    def run(self, report_factory: Any = RunReport) -> dict[str, Any]:
+    def run(self, report_factory: Any = RunReport) -> RunResult:
         cfg = self.cfg
-        self.start_step = first = self.resume()
+        first = self.resume()
         report: RunReport = report_factory(
             self.run_dir,
             cfg.name,
@@ -341,16 +259,15 @@ class Trainer:
             config=cfg.model_dump(mode="json"),
         )
         report.start(first)
-        stop = threading.Event()
-        producer = None
         if cfg.resources.mode == "separate_async":
-            producer = threading.Thread(  # in the flow run's context: its tasks belong to it
-                target=contextvars.copy_context().run,
-                args=(self._produce, first, stop),
-                daemon=True,
-                name="rollout-producer",
+            self.producer = RolloutProducer(
+                stages=self.stages,
+                ctx=self.ctx,
+                submit=self.submit,
+                version=lambda: self.version,
+                lock=self.submit_lock,
             )
-            producer.start()
+            self.producer.start(first)
         t0 = time.perf_counter()
         step = first
         per_run = cfg.trainer.steps_per_run
@@ -362,12 +279,11 @@ class Trainer:
         try:
             for step in range(first, end):
                 # Evaluation before the step's update every eval_every steps, and after the last.
-                due = self.evaluates and step % cfg.trainer.eval_every == 0
-                pre = self.evaluate(step) if due else {}
-                metrics = {**pre, **self.iteration(step)}
+                metrics = {**(self.evaluate(step) if self.evaluate.due(step) else {})}
+                metrics.update(self.iteration(step))
                 if step == first:
                     metrics.update(self.notes)
-                if step == end - 1 and self.evaluates:
+                if step == end - 1 and self.evaluate.enabled:
                     metrics.update(self.evaluate(step + 1))
                 report.log(step, {**self.ctx.metrics.pop(step, {}), **metrics})
                 out_of_time = (
@@ -380,14 +296,8 @@ class Trainer:
                     break
         finally:
             report.close()
-            stop.set()
-            with self.submit_lock:
-                self.submit_lock.notify_all()
-            if producer is not None:
-                producer.join(timeout=cfg.orchestration.call_timeout_s)
-        return {
-            "report": report,
-            "last_step": step,
-            "checkpoint": self.last_checkpoint,
-            "first_step": first,
-        }
+            if self.producer is not None:
+                self.producer.stop(timeout=cfg.orchestration.call_timeout_s)
+        return RunResult(
+            report=report, first_step=first, last_step=step, checkpoint=self.last_checkpoint
+        )

@@ -69,26 +69,32 @@ def _train_roles(cfg: TrainConfig) -> tuple[str, ...]:
     return tuple(roles)
 
 
-def _spec(cfg: TrainConfig, models: ResolvedModels, roles: tuple[str, ...]) -> WorkerSpec:
+def _spec(
+    cfg: TrainConfig, models: ResolvedModels, roles: tuple[str, ...], store_url: str
+) -> WorkerSpec:
     return WorkerSpec(
         roles=roles,
+        cfg=cfg,
         policy_path=models.policy,
         tokenizer_path=models.tokenizer,
         reference_path=models.reference,
         reward_model_path=models.reward_model,
         critic_path=models.critic,
-        device=cfg.resources.device,
-        dtype=cfg.models.dtype,
-        threads=cfg.resources.threads_per_worker,
-        seed=cfg.seed,
-        rollout=cfg.rollout,
-        algorithm=cfg.algorithm,
-        actor_optim=cfg.actor,
-        critic_optim=cfg.critic,
-        reward_batch_size=cfg.reward.batch_size,
-        reward_max_length=cfg.reward.max_length,
-        total_steps=cfg.trainer.total_steps,
+        store_url=store_url,
     )
+
+
+def check_store_url(url: str) -> None:
+    """The workers run in Ray actor processes and read and write the store themselves, so a
+    training run needs a store they can reach."""
+    from infra.config import ConfigError
+
+    if url.startswith("memory://"):
+        raise ConfigError(
+            f"store.url={url!r} is an in-process store, but the workers read and write the store "
+            "from their own processes: set store.url to ray://NAME?shards=N (the default is "
+            "ray://ppoflow?shards=1)"
+        )
 
 
 def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
@@ -99,15 +105,20 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
     separate = res.mode == "separate_async"
     own_reward = cfg.reward.pool == "own" and cfg.uses_reward_model
     devices = res.num_workers + (res.rollout_workers if separate else 0) + (1 if own_reward else 0)
+    check_store_url(cfg.store.url)
     started = ensure_ray(res, pools_devices=devices)
     timeout = cfg.orchestration.call_timeout_s
     pools: list[ResourcePool] = []
+    store = None
     try:
+        # 0. The store (this handle owns its shards: closing it ends them).
+        store = open_store(cfg.store.url)
+        url = store.url
         # 1. Training pool (colocated roles take turns on each of its bundles).
         train_pool = create_pool("train", res.num_workers, accelerator=res.accelerator_resource)
         pools.append(train_pool)
         train = WorkerGroup(
-            train_pool, _spec(cfg, models, _train_roles(cfg)), call_timeout_s=timeout
+            train_pool, _spec(cfg, models, _train_roles(cfg), url), call_timeout_s=timeout
         )
         # 2. Optional own pools for the reward model and the rollout.
         rollout = train
@@ -115,13 +126,14 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
         if own_reward:
             pool = create_pool("reward", 1, accelerator=res.accelerator_resource)
             pools.append(pool)
-            reward = WorkerGroup(pool, _spec(cfg, models, ("reward",)), call_timeout_s=timeout)
+            reward = WorkerGroup(pool, _spec(cfg, models, ("reward",), url), call_timeout_s=timeout)
         if separate:
             pool = create_pool("rollout", res.rollout_workers, accelerator=res.accelerator_resource)
             pools.append(pool)
-            rollout = WorkerGroup(pool, _spec(cfg, models, ("rollout",)), call_timeout_s=timeout)
-        # 3. The store, 4. the reward-function processes.
-        store = open_store(cfg.store.url)
+            rollout = WorkerGroup(
+                pool, _spec(cfg, models, ("rollout",), url), call_timeout_s=timeout
+            )
+        # 3. The reward-function processes.
         functions = None
         if cfg.reward.functions:
             from infra.reward_functions import RewardFunctionPool
@@ -132,6 +144,8 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
                 timeout_s=cfg.reward.function_timeout_s,
             )
     except BaseException:
+        if store is not None:
+            store.close()
         for pool in pools:
             pool.release()
         if started:

@@ -59,7 +59,7 @@ def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B
     finally:
         rt.shutdown()
     # 4. Plot and summary.
-    report = result["report"]
+    report = result.report
     plot = plot_run(run_dir) if report.rows else None
     extra = {
         "mode": cfg.resources.mode,
@@ -70,7 +70,7 @@ def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B
         "reward functions": ", ".join(f.label for f in cfg.reward.functions) or "none",
         **{k: int(v) for k, v in datasets.notes.items()},
     }
-    report.summary(plot=plot, checkpoint=result["checkpoint"], extra=extra)
+    report.summary(plot=plot, checkpoint=result.checkpoint, extra=extra)
     evals = [r["eval/rule_accuracy"] for r in report.rows if "eval/rule_accuracy" in r]
     validation: dict[str, list[float]] = {}
     for row in report.rows:
@@ -80,13 +80,13 @@ def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B
     summary = {
         "run_dir": str(run_dir),
         "steps": len(report.rows),
-        "first_step": result["first_step"],
-        "last_step": result["last_step"],
+        "first_step": result.first_step,
+        "last_step": result.last_step,
         "rule_accuracy_start": evals[0] if evals else None,
         "rule_accuracy_end": evals[-1] if evals else None,
         "rm_pair_accuracy": models.rm_pair_accuracy,
         "validation": {k: {"first": v[0], "last": v[-1]} for k, v in validation.items()},
-        "checkpoint": str(result["checkpoint"]) if result["checkpoint"] else None,
+        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
         "plot": str(plot) if plot else None,
     }
     logger.info("run finished: %s", summary)

@@ -322,7 +322,11 @@ class ResourcesConfig(_Section):
 
 
 class StoreConfig(_Section):
-    url: str = Field("memory://", description="memory:// (in-process) or ray://NAME?shards=N.")
+    url: str = Field(
+        "ray://ppoflow?shards=1",
+        description="ray://NAME?shards=N: shards on the run's Ray instance, which the workers "
+        "read and write themselves (runs sharing a Ray cluster need their own NAME).",
+    )
     get_timeout_s: float = Field(
         120.0, gt=0, description="How long a stage waits for fields that are not there yet."
     )

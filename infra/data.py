@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from infra.reward_functions import exact_match as addition_rule
 from infra.rl_data import (
     DataError,
     PromptRow,
@@ -251,11 +252,3 @@ class PromptDataset:
         self.epoch, self.index = epoch, index
         self._order = self._epoch_order(epoch)
 
-
-def addition_rule(response_text: str, ground_truth: str) -> float:
-    """1.0 when the response, whitespace stripped, is exactly the answer; else 0.0.
-
-    ``response_text`` is the decoded response with special tokens already skipped (an EOS
-    closing the answer is therefore invisible here).
-    """
-    return 1.0 if response_text.strip() == ground_truth.strip() else 0.0

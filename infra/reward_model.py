@@ -36,7 +36,6 @@ from transformers import (
 
 from infra.engines.base import ModuleResidency
 from infra.kernels import fuse_activations
-from tasks.score import lengths_to_mask
 
 __all__ = ["RewardScorer", "ScoreOutput", "tokenizers_match"]
 
@@ -172,7 +171,7 @@ class RewardScorer:
         input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)  # (b, L)
         for index, row in enumerate(rows):
             input_ids[index, : row.numel()] = row
-        mask = lengths_to_mask(lengths, width)  # (b, L) bool, True = real token
+        mask = torch.arange(width)[None, :] < lengths[:, None]  # (b, L) bool, True = real token
         input_ids, mask = input_ids.to(self._device), mask.to(self._device)
         if not self._has_score_head:
             logits = self.model(input_ids=input_ids, attention_mask=mask.long()).logits  # (b, 1)

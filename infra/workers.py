@@ -1,62 +1,60 @@
-"""The worker that holds the models of one device and runs each stage's compute on it.
+"""The worker that holds the models of one device and runs the stages' worker-side steps on it.
 
-A ``PPOWorker`` owns some of the roles ``rollout`` (generation engine), ``reward`` (reward
+A ``ModelWorker`` owns some of the roles ``rollout`` (generation engine), ``reward`` (reward
 model), ``actor`` (policy + optimizer), ``ref`` (frozen reference policy) and ``critic`` (value
-model + optimizer). Roles in one worker share its device and take turns: every method wakes
-exactly the role it needs through a ``ColocatedGroup`` and puts it back to sleep afterwards, even
-when the compute raises. Workers are plain classes; ``WorkerGroup`` (infra.group) runs them as
-Ray actors in a resource pool. Data arrives and leaves as columnar ``Jagged`` buffers.
+model + optimizer), and a handle on the run's store. It knows nothing of the stages: a stage
+hands it a function, ``worker.run(step_fn, shard, ...)`` calls ``step_fn(worker, shard, ...)``
+in the worker's process, and that function reads the shard's rows from the store, wakes the role
+it needs (``with worker.awake("actor") as actor:``), computes and writes its rows back. The flow
+process moves only ``BatchMeta`` handles and metrics. Roles in one worker share its device and
+take turns through a ``ColocatedGroup``: a role is put back to sleep when its block ends, even
+when the compute raises. ``WorkerGroup`` (infra.group) runs workers as Ray actors in a pool.
 
 Data-parallel workers (``world_size > 1``) join a torch.distributed group (gloo on CPU, nccl on
-CUDA) and SUM their gradients: each worker's loss is already divided by the global token (or
-sequence) count, so N workers make the same update as one worker over the whole batch.
+CUDA); the update step sums their gradients (each worker's loss is already divided by the
+global token or sequence count, so N workers make the same update as one).
 """
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from infra.colocate import ColocatedGroup
-from infra.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from infra.config import OptimConfig, TrainConfig
 from infra.kernels import fuse_activations
-from infra.transport import Jagged
+from storage import BatchMeta
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 ROLES = ("rollout", "reward", "actor", "ref", "critic")
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to build its roles (picklable: travels to the Ray actor)."""
+    """What a worker needs to build its roles (picklable: travels to the Ray actor). Settings
+    come from ``cfg``, the run's config, read where they are used."""
 
     roles: tuple[str, ...]
+    cfg: TrainConfig
     policy_path: str
     tokenizer_path: str
     reference_path: str | None = None
     reward_model_path: str | None = None
     critic_path: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int = 1
-    seed: int = 0
+    store_url: str = "memory://"
     rank: int = 0
     world_size: int = 1
     dist_address: str | None = None
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    actor_optim: OptimConfig = field(default_factory=OptimConfig)
-    critic_optim: OptimConfig = field(default_factory=OptimConfig)
-    reward_batch_size: int = 64
-    reward_max_length: int | None = None
-    total_steps: int = 1
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -110,21 +108,36 @@ def _load_weights(module: torch.nn.Module, path: Path) -> None:
         )
 
 
-class PPOWorker:
-    """Holds models for some roles on one device; see the module docstring."""
+def _plain(value: Any) -> Any:
+    """A store value as a stage step uses it: tensors as they are, object fields as a list."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return list(value)
+
+
+class ModelWorker:
+    """Holds models for some roles on one device and runs worker-side steps; see the module
+    docstring."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        # 1. Process settings: threads, seeds, distributed group.
-        torch.set_num_threads(spec.threads)
+        # 1. Process settings: threads, seeds, distributed group, the store.
+        cfg = spec.cfg
+        torch.set_num_threads(cfg.resources.threads_per_worker)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        _seed_everything(spec.seed + 1000 * spec.rank)
+        _seed_everything(cfg.seed + 1000 * spec.rank)
         self.spec = spec
-        self.device = torch.device(spec.device)
-        self.dtype = getattr(torch, spec.dtype)
+        self.cfg = cfg
+        self.device = torch.device(cfg.resources.device)
+        self.dtype = getattr(torch, cfg.models.dtype)
         self.group = ColocatedGroup(f"worker-{spec.rank}")
         self.version = 0
         if spec.world_size > 1:
             self._init_distributed()
+        from storage import open_store
+
+        self.store = open_store(spec.store_url)
         # 2. Models, each registered asleep in the colocated group.
         from transformers import AutoTokenizer
 
@@ -153,9 +166,9 @@ class PPOWorker:
         from infra.engines import make_engine
 
         self.engine = make_engine(
-            self.spec.rollout.engine,
+            self.cfg.rollout.engine,
             self.spec.policy_path,
-            device=self.spec.device,
+            device=str(self.device),
             dtype=self.dtype,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
@@ -169,10 +182,10 @@ class PPOWorker:
         self.scorer = RewardScorer(
             self.spec.reward_model_path,
             policy_tokenizer_path=self.spec.tokenizer_path,
-            device=self.spec.device,
+            device=str(self.device),
             dtype=self.dtype,
-            batch_size=self.spec.reward_batch_size,
-            max_length=self.spec.reward_max_length,
+            batch_size=self.cfg.reward.batch_size,
+            max_length=self.cfg.reward.max_length,
         )
         self.group.register("reward", self.scorer)
 
@@ -184,14 +197,14 @@ class PPOWorker:
             model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, eps=1e-8
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_lambda(optim.warmup_steps))
-        return TrainableModel(model, optimizer, device=self.spec.device, scheduler=scheduler)
+        return TrainableModel(model, optimizer, device=str(self.device), scheduler=scheduler)
 
     def _build_actor(self) -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.spec.policy_path, dtype=self.dtype)
         fuse_activations(model)
-        self.actor = self._make_trainable(model, self.spec.actor_optim)
+        self.actor = self._make_trainable(model, self.cfg.actor)
         self.group.register("actor", self.actor)
 
     def _build_ref(self) -> None:
@@ -203,7 +216,7 @@ class PPOWorker:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         fuse_activations(model)
         model.requires_grad_(False).eval()
-        self.ref = TrainableModel(model, None, device=self.spec.device)
+        self.ref = TrainableModel(model, None, device=str(self.device))
         self.group.register("ref", self.ref)
 
     def _build_critic(self) -> None:
@@ -214,10 +227,45 @@ class PPOWorker:
             path, num_labels=1, dtype=self.dtype
         )
         fuse_activations(model)
-        self.critic = self._make_trainable(model, self.spec.critic_optim)
+        self.critic = self._make_trainable(model, self.cfg.critic)
         self.group.register("critic", self.critic)
 
-    # ----------------------------------------------------------------- stage compute
+    # ----------------------------------------------------------------- running stage steps
+    def run(
+        self, step: Callable[Concatenate[ModelWorker, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """``step(self, *args, **kwargs)``: a stage's worker-side step, in this process."""
+        return step(self, *args, **kwargs)
+
+    def has(self, role: str) -> bool:
+        return role in self.spec.roles
+
+    @contextmanager
+    def awake(self, role: str) -> Iterator[Any]:
+        """The model of ``role``, awake inside the block and asleep again after it."""
+        with self.group.awake(role) as model:
+            yield model
+
+    def read(self, meta: BatchMeta, fields: tuple[str, ...]) -> dict[str, Any]:
+        """``fields`` of ``meta.keys`` from the store, waiting up to ``store.get_timeout_s`` for
+        rows not produced yet: jagged fields as ``torch.jagged`` nested tensors, dense fields
+        as tensors, object fields as lists."""
+        td = self.store.kv_batch_get(
+            list(meta.keys), meta.partition_id, list(fields), timeout=self.cfg.store.get_timeout_s
+        )
+        return {name: _plain(td[name]) for name in fields}
+
+    def write(self, meta: BatchMeta, fields: dict[str, Any]) -> None:
+        """Put ``fields`` (nested tensors or lists of 1-D rows, dense tensors, lists) for ``meta.keys``."""
+        if meta.keys:
+            self.store.kv_batch_put(list(meta.keys), meta.partition_id, fields)
+
+    def publish_policy(self) -> None:
+        """After an update: a new policy version, and its weights in a colocated rollout engine."""
+        self.version += 1
+        if "rollout" in self.spec.roles:
+            self.engine.load_weights(self.actor.module.state_dict())
+
     def ping(self) -> dict[str, Any]:
         return {
             "rank": self.spec.rank,
@@ -232,193 +280,6 @@ class PPOWorker:
     def timing(self) -> dict[str, float]:
         """Wake/sleep seconds per role since the last call (``timing_s/wake/<role>`` ...)."""
         return self.group.pop_stats()
-
-    def generate(
-        self, prompts: Jagged, *, n: int, seed: int, temperature: float | None = None
-    ) -> tuple[Jagged, Jagged, int]:
-        """Sample ``n`` responses per prompt; returns responses, rollout logprobs, policy version.
-
-        ``temperature`` overrides the rollout setting (0 = greedy, used by evaluation)."""
-        cfg = self.spec.rollout
-        with self.group.awake("rollout"):
-            out = self.engine.generate(
-                prompts.rows(),
-                n=n,
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature if temperature is None else temperature,
-                top_p=cfg.top_p,
-                seed=seed,
-                min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
-            )
-        return (
-            Jagged.from_rows(out.response_ids),
-            Jagged.from_rows(out.rollout_logprobs),
-            self.version,
-        )
-
-    def score(
-        self, prompts: Jagged, responses: Jagged, raw_prompt: list[Any]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Reward-model score per sample and whether its re-tokenised input was truncated."""
-        with self.group.awake("reward"):
-            out = self.scorer.score(
-                prompt_ids=prompts.rows(), response_ids=responses.rows(), raw_prompt=raw_prompt
-            )
-        return out.scores.float().numpy(), out.truncated.numpy()
-
-    def _packed(self, prompts: Jagged, responses: Jagged) -> Any:
-        from tasks.batching import pack_batch
-
-        return pack_batch(
-            prompt_ids=prompts.rows(), response_ids=responses.rows(), pad_id=self.pad_id
-        )
-
-    @torch.no_grad()
-    def _micro_forward(
-        self,
-        model: torch.nn.Module,
-        batch: Any,
-        micro: int,
-        gather: Callable[[Tensor, Any], Tensor],
-    ) -> Tensor:
-        """``gather(logits, micro_batch)`` over micro-batches of ``batch``, concatenated."""
-        outs = []
-        for start in range(0, batch.input_ids.shape[0], micro):
-            mb = batch.slice(start, start + micro)
-            logits = model(
-                input_ids=mb.input_ids.to(self.device),
-                attention_mask=mb.attention_mask.long().to(self.device),
-            ).logits
-            outs.append(gather(logits, mb))
-        return torch.cat(outs)
-
-    def _logprobs(self, model: torch.nn.Module, batch: Any, micro: int) -> Tensor:
-        from tasks.batching import gather_response_logprobs
-
-        def gather(logits: Tensor, mb: Any) -> Tensor:
-            return gather_response_logprobs(
-                logits=logits.float().cpu(), batch=mb, temperature=self._temperature
-            )
-
-        return self._micro_forward(model, batch, micro, gather)
-
-    @property
-    def _temperature(self) -> float:
-        return self.spec.rollout.temperature or 1.0
-
-    def _values(self, batch: Any, micro: int) -> Tensor:
-        from tasks.batching import gather_response_values
-
-        def gather(logits: Tensor, mb: Any) -> Tensor:
-            return gather_response_values(values=logits[..., 0].float().cpu(), batch=mb)
-
-        return self._micro_forward(self.critic.module, batch, micro, gather)
-
-    def forward(
-        self, prompts: Jagged, responses: Jagged, *, actor: bool = True
-    ) -> dict[str, Jagged]:
-        """``old_logprobs`` (actor, unless ``actor=False``), ``ref_logprobs`` (reference) and
-        ``values`` (critic) for the roles held."""
-        from tasks.batching import unpad
-
-        batch = self._packed(prompts, responses)
-        lengths = batch.response_lengths
-        out: dict[str, Jagged] = {}
-        micro = max(self.spec.actor_optim.micro_batch_size, 1)
-        if actor and "actor" in self.spec.roles:
-            with self.group.awake("actor"):
-                out["old_logprobs"] = Jagged.from_rows(
-                    unpad(self._logprobs(self.actor.module, batch, micro), lengths)
-                )
-        if "ref" in self.spec.roles:
-            with self.group.awake("ref"):
-                out["ref_logprobs"] = Jagged.from_rows(
-                    unpad(self._logprobs(self.ref.module, batch, micro), lengths)
-                )
-        if "critic" in self.spec.roles:
-            with self.group.awake("critic"):
-                out["values"] = Jagged.from_rows(unpad(self._values(batch, micro), lengths))
-        return out
-
-    def _global_units(self, batch: Any, mini_batch_size: int, agg: str) -> list[float] | None:
-        """Each mini-batch's loss denominator summed over data-parallel workers (None: one worker)."""
-        if self.spec.world_size == 1:
-            return None
-        import torch.distributed as dist
-
-        from tasks.update.optimize import count_minibatch_units
-
-        units = torch.tensor(
-            count_minibatch_units(
-                response_mask=batch.response_mask, mini_batch_size=mini_batch_size, agg=agg
-            ),
-            dtype=torch.float64,
-        )
-        dist.all_reduce(units, op=dist.ReduceOp.SUM)
-        return units.tolist()
-
-    def _reducer(self) -> Any:
-        if self.spec.world_size == 1:
-            return None
-        from tasks.update.optimize import sync_gradients
-
-        world = self.spec.world_size
-        return lambda model: sync_gradients(model, world)
-
-    def update(
-        self, prompts: Jagged, responses: Jagged, fields: dict[str, Jagged]
-    ) -> dict[str, float]:
-        """One PPO update of the actor (and critic) on this worker's shard of the batch."""
-        from infra.trainer_settings import actor_settings, critic_settings
-        from tasks.update.optimize import actor_update, critic_update
-
-        batch = self._packed(prompts, responses)
-        width = batch.response_mask.shape[1]
-
-        def padded(name: str) -> Tensor:
-            return fields[name].padded(width=width).float()
-
-        metrics: dict[str, float] = {}
-        acfg = actor_settings(self.spec)
-        units = self._global_units(batch, acfg.mini_batch_size, acfg.agg)
-        with self.group.awake("actor"):
-            metrics.update(
-                actor_update(
-                    model=self.actor.module,
-                    optimizer=self.actor.optimizer,
-                    scheduler=self.actor.scheduler,
-                    batch=batch,
-                    old_logprobs=padded("old_logprobs") if "old_logprobs" in fields else None,
-                    advantages=padded("advantages"),
-                    ref_logprobs=padded("ref_logprobs") if "ref_logprobs" in fields else None,
-                    cfg=acfg,
-                    grad_reducer=self._reducer(),
-                    global_tokens=units,
-                    global_seqs=units,
-                )
-            )
-        if "critic" in self.spec.roles:
-            ccfg = critic_settings(self.spec)
-            units = self._global_units(batch, ccfg.mini_batch_size, ccfg.agg)
-            with self.group.awake("critic"):
-                metrics.update(
-                    critic_update(
-                        model=self.critic.module,
-                        optimizer=self.critic.optimizer,
-                        scheduler=self.critic.scheduler,
-                        batch=batch,
-                        old_values=padded("values"),
-                        returns=padded("returns"),
-                        cfg=ccfg,
-                        grad_reducer=self._reducer(),
-                        global_tokens=units,
-                        global_seqs=units,
-                    )
-                )
-        self.version += 1
-        if "rollout" in self.spec.roles:
-            self.engine.load_weights(self.actor.module.state_dict())
-        return metrics
 
     # ----------------------------------------------------------------- weights and checkpoints
     def policy_state(self) -> dict[str, np.ndarray]:

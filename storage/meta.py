@@ -82,6 +82,19 @@ class BatchMeta:
             for i in range(0, len(self.keys), size)
         ]
 
+    def shards(self, parts: int) -> list[BatchMeta]:
+        """`parts` consecutive handles covering every key, sizes differing by at most one (the
+        first ones larger); some are empty when there are fewer keys than parts."""
+        if parts <= 0:
+            raise SchemaError(f"shard count must be positive, got {parts}")
+        size, extra = divmod(len(self.keys), parts)
+        out, start = [], 0
+        for i in range(parts):
+            stop = start + size + (1 if i < extra else 0)
+            out.append(BatchMeta(self.partition_id, self.keys[start:stop], self.fields))
+            start = stop
+        return out
+
     def to_json(self) -> dict[str, Any]:
         """A dict of plain lists and strings."""
         return {

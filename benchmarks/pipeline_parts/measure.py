@@ -1,5 +1,5 @@
 """Measuring a process tree from /proc: summed RSS sampled in a thread (peaks by kind: driver,
-Ray ``PPOWorker`` actors, the rest) and CPU seconds of the whole tree."""
+Ray ``ModelWorker`` actors, the rest) and CPU seconds of the whole tree."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 class TreeMemory(threading.Thread):
     """Samples the summed RSS of a process tree from /proc; keeps peaks by process kind:
-    ``driver`` (the root), ``workers`` (Ray ``PPOWorker`` actors), ``other`` (Ray daemons, idle
+    ``driver`` (the root), ``workers`` (Ray ``ModelWorker`` actors), ``other`` (Ray daemons, idle
     Ray workers, Prefect's server ...)."""
 
     def __init__(self, pid: int, period_s: float = 0.5) -> None:
@@ -91,4 +91,4 @@ def process_kind(pid: int, root: int) -> str:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
     except OSError:
         return "other"
-    return "workers" if cmdline.startswith(b"ray::PPOWorker") else "other"
+    return "workers" if cmdline.startswith(b"ray::ModelWorker") else "other"

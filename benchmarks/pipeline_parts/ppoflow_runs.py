@@ -1,6 +1,6 @@
 """ppoflow in the pipeline benchmark: the three variants (``flow``: the real ``ppo_train``;
 ``ray+store``: ``Trainer.iteration`` with each task's plain ``.fn``; ``direct``: the same
-``PPOWorker`` methods in-process), the Baton that makes them take turns step by step, the
+worker-side steps called on one in-process ``ModelWorker`` over an in-process store), the Baton that makes them take turns step by step, the
 child-side entry that runs one of them (or a solo flow) and prints its timed steps, and the
 driver-side launchers of those children."""
 
@@ -183,78 +183,69 @@ def timed(timing: dict[str, float], name: str) -> Iterator[None]:
 
 
 def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, float]:
-    """One iteration as plain calls: the stages' worker methods and pure functions, in order."""
+    """One iteration as plain calls of the stages' worker-side steps, in order, on one worker."""
     import torch
 
-    from infra.transport import Jagged
-    from tasks.advantage.stage import compute
-    from tasks.batching import unpad
-    from tasks.generate.stage import generation_seed
-    from tasks.logprobs.stage import writes
-    from tasks.score.stage import rule_scores
-    from tasks.update.stage import update_fields
+    from tasks.advantage.stage import advantage_rows
+    from tasks.generate.stage import generate_rows, generation_seed, submit_prompts
+    from tasks.logprobs.stage import forward_rows, writes
+    from tasks.score.stage import score_rows, uses_rule
+    from tasks.update.stage import update_rows, update_step_settings
 
     cfg, n, t = ctx.cfg, ctx.cfg.rollout.n, {}
     start = time.perf_counter()
     # 1. Prompts (the flow's submit), 2. generate, 3. score, 4. logprobs, 5. advantage, 6. update.
-    rows = data.next_batch(cfg.rollout.prompts_per_step)
-    ids = [
-        torch.tensor(
-            ctx.tokenizer.apply_chat_template(
-                r.raw_prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
-        for r in rows
-    ]
-    prompts = Jagged.from_rows([p for p in ids for _ in range(n)])
+    partition = f"direct/step-{step:06d}"
+    meta = submit_prompts(ctx, partition_id=partition, rows=data.next_batch(cfg.rollout.prompts_per_step))
     with timed(t, "generate"):
-        seed = generation_seed(cfg.seed, step)
-        responses, rollout_logprobs, _ = worker.generate(Jagged.from_rows(ids), n=n, seed=seed)
+        prompts = type(meta)(partition, meta.keys[::n])
+        worker.run(generate_rows, prompts, n=n, seed=generation_seed(cfg.seed, step), first_group=0)
     with timed(t, "score"):
-        raw = [r.raw_prompt for r in rows for _ in range(n)]
-        rm, _ = worker.score(prompts, responses, raw)
-        rule = rule_scores(ctx, responses, [r.ground_truth for r in rows for _ in range(n)])
-        scores = cfg.reward.model_weight * torch.from_numpy(rm) + cfg.reward.rule_weight * rule
+        rule = cfg.reward.rule if uses_rule(ctx) else None
+        part = worker.run(score_rows, meta, rule=rule, texts=False)
+        scores = torch.zeros(len(meta.keys))
+        if part.rm is not None:
+            scores += cfg.reward.model_weight * torch.tensor(part.rm)
+        if part.rule is not None:
+            scores += cfg.reward.rule_weight * torch.tensor(part.rule)
+        ctx.store.kv_batch_put(list(meta.keys), partition, {"scores": scores})
     with timed(t, "logprobs"):
         needed = writes(ctx)  # nothing for one on-policy step without reference or critic
-        actor = "old_logprobs" in needed
-        fields = worker.forward(prompts, responses, actor=actor) if needed else {}
-        fields["rollout_logprobs"] = rollout_logprobs
+        if needed:
+            worker.run(forward_rows, meta, names=needed)
     with timed(t, "advantage"):
-        group_ids = torch.arange(len(rows)).repeat_interleave(n)  # (B,)
-        d = compute(
-            ctx,
-            {**fields, "response_ids": responses, "scores": scores, "group_ids": group_ids},
-            step,
-        )
-        lengths = responses.lengths
-        fields.update(
-            {k: Jagged.from_rows(unpad(d[k], lengths)) for k in ("advantages", "returns")}
-        )
+        worker.run(advantage_rows, meta, kl_coef=ctx.kl_controller.value)
     with timed(t, "update"):
-        worker.update(prompts, responses, update_fields(ctx, fields))
+        worker.run(update_rows, meta, **update_step_settings(ctx))
+    ctx.store.kv_clear(partition)
     t["timing_s/step"] = time.perf_counter() - start
-    t["perf/total_num_tokens"] = float(responses.lengths.sum())
+    t["perf/total_num_tokens"] = float(sum(part.response_lengths))
     return t
 
 
 def run_direct(cfg: Any, baton: Baton) -> Run:
-    """One ``PPOWorker`` with the flow's roles and spec, in this process."""
+    """One ``ModelWorker`` with the flow's roles and spec, in this process, over ``memory://``."""
     from transformers import AutoTokenizer
 
     from flows.runtime import _spec, _train_roles
     from infra.data import PromptDataset
-    from infra.workers import PPOWorker
+    from infra.workers import ModelWorker
+    from storage import open_store
     from tasks.context import StageContext
     from tasks.kl import FixedKLController
 
     models = resolved_models(cfg)
-    worker = PPOWorker(_spec(cfg, models, _train_roles(cfg)))
+    store = open_store("memory://bench-direct")
+    worker = ModelWorker(_spec(cfg, models, _train_roles(cfg), store.url))
+
+    class OneWorker:  # the stage settings read the training group's size
+        size = 1
+
     ctx = StageContext(
         cfg=cfg,
-        store=None,
+        store=store,
         tokenizer=AutoTokenizer.from_pretrained(models.tokenizer),
-        train_group=None,
+        train_group=OneWorker(),
         kl_controller=FixedKLController(coef=cfg.algorithm.kl.coef),
     )
     data = PromptDataset(Path(models.train_data), seed=cfg.seed)

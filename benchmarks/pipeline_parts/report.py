@@ -150,7 +150,7 @@ def print_report(report: dict[str, Any]) -> None:
     s = report["settings"]
     print(
         f"\nms; medians of {s['steps']} steps x {s['rounds']} rounds after {s['warmup']} warm-up; "
-        f"torch threads {s['torch_threads']}; RSS = driver + PPOWorker actors, tree = all processes"
+        f"torch threads {s['torch_threads']}; RSS = driver + ModelWorker actors, tree = all processes"
     )
     head = "".join(f"{name[:9]:>10}" for name in STAGES)
     print(
@@ -212,7 +212,7 @@ METHOD = (
     "the whole process tree (user + system, reaped children included, from /proc): robust to "
     "load, and it charges a system for the work it leaves running between its steps (Prefect's "
     "server, Ray's daemons), which wall time on paired turns hands to the next variant. Peak "
-    "RSS sampled every 0.5 s from /proc: system = driver + Ray PPOWorker actors (TRL: its "
+    "RSS sampled every 0.5 s from /proc: system = driver + Ray ModelWorker actors (TRL: its "
     "process), tree = every descendant process (Ray daemons, idle Ray workers, Prefect's "
     "temporary server)."
 )

@@ -1,9 +1,10 @@
 """generate: sample ``n`` responses per prompt with the rollout engine.
 
-Reads ``prompt_ids`` of each prompt's first sample key, asks the rollout workers (sharded by
-prompt) to generate, and writes ``response_ids``, ``rollout_logprobs``, ``group_ids`` and
-``rollout_version`` for every sample key. The seed is a function of (run seed, step), so a
-retried task regenerates identical rows and its put is a no-op.
+The task shards the prompts (each prompt's first sample key) over the rollout workers; each
+worker reads its prompts' ``prompt_ids`` from the store, generates, and writes
+``response_ids``, ``rollout_logprobs``, ``group_ids`` and ``rollout_version`` for its prompts'
+sample keys (``generate_rows``). The seed is a function of (run seed, step, shard), so a
+retried task regenerates identical rows and its puts are no-ops.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from infra.data import chat_prompt_ids
-from infra.group import concat, split, take
-from infra.transport import Jagged
-from infra.workers import PPOWorker
+from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.context import StageContext
-from tasks.io import read, write
+from tasks.io import nested, rows, write
 
 READS = ("prompt_ids",)
 WRITES = ("response_ids", "rollout_logprobs", "group_ids", "rollout_version")
@@ -55,7 +54,7 @@ def submit_prompts(
         ctx,
         meta,
         {
-            "prompt_ids": Jagged.from_rows(each(ids)),
+            "prompt_ids": nested(each(ids)),
             "raw_prompt": each([row.raw_prompt for row in rows]),
             "ground_truth": each([row.ground_truth for row in rows]),
             "data_source": each([getattr(row, "data_source", "addition") for row in rows]),
@@ -68,6 +67,50 @@ def generation_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
 
 
+def sample_meta(prompts: BatchMeta, n: int) -> BatchMeta:
+    """The ``n`` sample keys of each prompt key ``<uid>/0``, prompt-major."""
+    return BatchMeta(
+        prompts.partition_id, tuple(sample_keys([k.rsplit("/", 1)[0] for k in prompts.keys], n))
+    )
+
+
+def generate_rows(
+    worker: ModelWorker,
+    prompts: BatchMeta,
+    *,
+    n: int,
+    seed: int,
+    first_group: int,
+    temperature: float | None = None,
+) -> int:
+    """Worker side: read my prompts → ``n`` samples each → write my samples' rows. Prompt i of
+    the shard is group ``first_group + i``. Returns the policy version that generated them."""
+    cfg = worker.cfg.rollout
+    prompt_ids = worker.read(prompts, READS)["prompt_ids"]
+    with worker.awake("rollout") as engine:
+        out = engine.generate(
+            rows(prompt_ids),
+            n=n,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature if temperature is None else temperature,
+            top_p=cfg.top_p,
+            seed=seed,
+            min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
+        )
+    count = len(prompts.keys)
+    groups = torch.arange(first_group, first_group + count, dtype=torch.int64)  # (P,)
+    worker.write(
+        sample_meta(prompts, n),
+        {
+            "response_ids": nested(out.response_ids),
+            "rollout_logprobs": nested(out.rollout_logprobs),
+            "group_ids": groups.repeat_interleave(n),  # (P * n,)
+            "rollout_version": torch.full((count * n,), worker.version, dtype=torch.int64),
+        },
+    )
+    return worker.version
+
+
 def generate_partition(
     ctx: StageContext,
     meta: BatchMeta,
@@ -76,38 +119,28 @@ def generate_partition(
     n: int | None = None,
     temperature: float | None = None,
 ) -> BatchMeta:
-    """Generate ``n`` responses for each prompt group of ``meta`` and write them (the rollout
-    settings unless ``n``/``temperature`` are given, as validation does)."""
+    """Generate ``n`` responses for each prompt group of ``meta`` (the rollout settings unless
+    ``n``/``temperature`` are given, as validation does); returns the widened handle."""
     n = ctx.cfg.rollout.n if n is None else n
-    extra = {} if temperature is None else {"temperature": temperature}
-    # 1. The prompt rows (first sample of each group).
-    prompt_meta = BatchMeta(meta.partition_id, meta.keys[::n], ())
-    prompts: Jagged = read(ctx, prompt_meta, READS)["prompt_ids"]
-    # 2. Generate, sharded by prompt over the rollout workers.
-    group = ctx.rollout_group
-    shards = [sl for sl in split(len(prompts), group.size) if sl.stop > sl.start]
-    outs = group.call_sharded(
-        PPOWorker.generate,
+    prompts = BatchMeta(meta.partition_id, meta.keys[::n], ())  # first sample of each group
+    shards = [s for s in prompts.shards(ctx.rollout_group.size) if s.keys]
+    starts = [0]
+    for shard in shards[:-1]:
+        starts.append(starts[-1] + len(shard.keys))
+    ctx.rollout_group.run_each(
+        generate_rows,
         [
-            ((take(prompts, sl),), {"n": n, "seed": seed + rank, **extra})
-            for rank, sl in enumerate(shards)
+            {
+                "prompts": shard,
+                "n": n,
+                "seed": seed + rank,
+                "first_group": start,
+                "temperature": temperature,
+            }
+            for rank, (shard, start) in enumerate(zip(shards, starts, strict=True))
         ],
     )
-    responses = concat([o[0] for o in outs])
-    logprobs = concat([o[1] for o in outs])
-    version = min(o[2] for o in outs)
-    # 3. Write the responses for every sample key.
-    group_ids = torch.arange(len(prompts), dtype=torch.int64).repeat_interleave(n)  # (B,)
-    return write(
-        ctx,
-        meta,
-        {
-            "response_ids": responses,
-            "rollout_logprobs": logprobs,
-            "group_ids": group_ids,
-            "rollout_version": torch.full((len(meta.keys),), version, dtype=torch.int64),
-        },
-    )
+    return meta.with_fields(*WRITES)
 
 
 @task(name="generate", cache_policy=NO_CACHE, task_run_name="generate[step={step}]")

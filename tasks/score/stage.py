@@ -1,22 +1,28 @@
 """score: the reward model and/or reward functions, one score per sample.
 
-Reads ``prompt_ids``, ``response_ids``, ``raw_prompt``, ``ground_truth``, ``data_source`` and
-``extra_info``. The per-sample score is
+The per-sample score is
 
     scores = reward.model_weight * rm_score + Σ weight_i * function_i (+ reward.rule_weight * rule)
 
-- the reward model (only when one is configured): its worker rebuilds right-padded masks from
-  the lengths, re-renders the conversation from ``raw_prompt`` with the RM's own chat template
-  when its tokenizer differs, and scores the last real token; ``rm_scores`` (jagged) holds that
-  score on the last real response token, and an empty response has an empty row (never a score
-  at index -1). The reward model sleeps again whatever happens (the worker's wake/sleep block).
-- reward functions (verl's ``compute_score`` signature) run in a bounded pool of processes,
-  each call bounded by ``reward.function_timeout_s`` (``infra.reward_functions``).
-- the built-in task's rule (``reward.rule``) is computed as the honest metric.
+- the scoring workers (the reward pool's, else the rollout pool's) each take a shard of the
+  batch (``score_rows``): read ``prompt_ids``, ``response_ids``, ``raw_prompt`` (and
+  ``ground_truth`` for the rule) from the store; the reward model, when the worker holds one,
+  rebuilds right-padded masks from the lengths, re-renders the conversation from ``raw_prompt``
+  with the RM's own chat template when its tokenizer differs, and scores the last real token;
+  the worker writes ``rm_scores`` (jagged: that score on the last real response token, an empty
+  row for an empty response, never a score at index -1) and sends back its per-sample scalars.
+  The reward model sleeps again whatever happens (the worker's wake/sleep block).
+- reward functions (verl's ``compute_score`` signature) run in the flow's bounded pool of
+  processes, each call bounded by ``reward.function_timeout_s`` (``infra.reward_functions``):
+  they get the decoded responses from the workers and read ``ground_truth``, ``data_source``
+  and ``extra_info`` from the store.
+- the built-in task's rule (``reward.rule``) is computed on the workers as the honest metric.
 
-A NaN/inf reward-model score or a failing reward function fails the stage naming the sample
-keys, and nothing is written. Rows already scored (a partition checkpointed in flight by
-``separate_async``'s producer, then resumed) are not scored again.
+The task then writes ``scores`` (and ``rule_scores``). A NaN/inf reward-model score fails the
+worker's shard naming its sample keys before it writes anything, and a failing reward function
+fails the task; ``scores`` is written only when every part succeeded. Rows already scored (a
+partition checkpointed in flight by ``separate_async``'s producer, then resumed) are not scored
+again.
 """
 
 from __future__ import annotations
@@ -24,21 +30,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.group import split, take
-from infra.transport import Jagged
-from infra.workers import PPOWorker
+from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.context import StageContext
-from tasks.io import read, write
+from tasks.io import lengths, nested, read, rows, write
 from tasks.rewards import RULES
 from tasks.score.core import assemble_rm_scores, find_nonfinite, score_metrics
 
 READS = ("prompt_ids", "response_ids", "raw_prompt", "ground_truth", "data_source", "extra_info")
+FUNCTION_READS = ("ground_truth", "data_source", "extra_info")  # in the flow process
 
 
 class NonFiniteScoreError(ValueError):
@@ -58,23 +62,65 @@ def writes(ctx: StageContext) -> tuple[str, ...]:
     )
 
 
-def decode_responses(ctx: StageContext, responses: Jagged) -> list[str]:
-    """The responses as text, special tokens skipped (what rules and reward functions read)."""
-    texts: list[str] = ctx.tokenizer.batch_decode(
-        [r.tolist() for r in responses.rows()], skip_special_tokens=True
+@dataclass
+class ShardScores:
+    """A scoring worker's reply for its shard: per-sample scalars, no token data."""
+
+    response_lengths: list[int]
+    rm: list[float] | None = None  # the reward model's score, when the worker holds one
+    truncated: int = 0  # samples whose reward-model input was cut to reward.max_length
+    rule: list[float] | None = None  # reward.rule against ground_truth, when asked
+    texts: list[str] | None = None  # decoded responses, when reward functions need them
+
+
+def score_rows(
+    worker: ModelWorker, shard: BatchMeta, *, rule: str | None, texts: bool, model: bool = True
+) -> ShardScores:
+    """Worker side: read my samples → reward model (if held and ``model``), rule, decoding →
+    write my ``rm_scores``; raises NonFiniteScoreError, writing nothing, on a NaN/inf score."""
+    model = model and worker.has("reward")
+    names = (
+        ("prompt_ids", "response_ids")
+        + (("raw_prompt",) if model else ())
+        + (("ground_truth",) if rule else ())
     )
-    return texts
+    data = worker.read(shard, names)
+    responses = rows(data["response_ids"])
+    n = lengths(data["response_ids"])
+    out = ShardScores(response_lengths=n.tolist())
+    if model:
+        with worker.awake("reward") as scorer:
+            scored = scorer.score(
+                prompt_ids=rows(data["prompt_ids"]),
+                response_ids=responses,
+                raw_prompt=data["raw_prompt"],
+            )
+        rm = scored.scores.float()  # (B,)
+        bad = find_nonfinite(rm)
+        if bad:
+            named = [shard.keys[i] for i in bad]
+            raise NonFiniteScoreError(
+                f"reward model returned non-finite scores for {len(named)} sample(s) in "
+                f"{shard.partition_id}: {named[:8]}{' …' if len(named) > 8 else ''}; nothing was written"
+            )
+        worker.write(shard, {"rm_scores": nested(assemble_rm_scores(rm, n))})
+        out.rm, out.truncated = rm.tolist(), int(scored.truncated.sum())
+    if rule or texts:
+        decoded = worker.tokenizer.batch_decode(
+            [r.tolist() for r in responses], skip_special_tokens=True
+        )
+        if rule:
+            out.rule = rule_on_texts(rule, decoded, data["ground_truth"]).tolist()
+        if texts:
+            out.texts = decoded
+    return out
 
 
-def rule_scores(ctx: StageContext, responses: Jagged, ground_truth: list[object]) -> torch.Tensor:
-    return rule_on_texts(ctx, decode_responses(ctx, responses), ground_truth)
-
-
-def rule_on_texts(ctx: StageContext, texts: list[str], ground_truth: list[object]) -> torch.Tensor:
-    """``reward.rule`` of each decoded response against its ground truth, (B,) float32."""
-    rule = RULES[ctx.cfg.reward.rule]
+def rule_on_texts(rule: str, texts: list[str], ground_truth: list[object]) -> torch.Tensor:
+    """``RULES[rule]`` of each decoded response against its ground truth, (B,) float32."""
+    check = RULES[rule]
     return torch.tensor(
-        [rule(t, str(g)) for t, g in zip(texts, ground_truth, strict=True)], dtype=torch.float32
+        [check(t, str(g)) for t, g in zip(texts, ground_truth, strict=True)], dtype=torch.float32
     )
 
 
@@ -83,39 +129,21 @@ class Scores:
     """Per-sample scores of one batch: the weighted total and each part (None: not computed)."""
 
     total: torch.Tensor  # (B,)
+    response_lengths: torch.Tensor  # (B,)
     rm: torch.Tensor | None = None  # (B,)
     rule: torch.Tensor | None = None  # (B,)
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _reward_model_scores(
-    ctx: StageContext, keys: tuple[str, ...], partition: str, data: dict[str, Any]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores (B,), truncated (B,)) from the reward workers, sharded by sample."""
-    prompts, responses = data["prompt_ids"], data["response_ids"]
-    group = ctx.reward_group
-    shards = [sl for sl in split(len(prompts), group.size) if sl.stop > sl.start]
-    outs = group.call_sharded(
-        PPOWorker.score,
-        [((take(prompts, sl), take(responses, sl), data["raw_prompt"][sl]), {}) for sl in shards],
-    )
-    rm = torch.from_numpy(np.concatenate([o[0] for o in outs])).float()  # (B,)
-    truncated = torch.from_numpy(np.concatenate([o[1] for o in outs]))  # (B,)
-    bad = find_nonfinite(rm)
-    if bad:
-        named = [keys[i] for i in bad]
-        raise NonFiniteScoreError(
-            f"reward model returned non-finite scores for {len(named)} sample(s) in {partition}: "
-            f"{named[:8]}{' …' if len(named) > 8 else ''}; nothing was written"
-        )
-    return rm, truncated
+def scoring_group(ctx: StageContext) -> Any:
+    """The reward pool's workers when there is a reward model, else the rollout pool's."""
+    return ctx.reward_group if ctx.reward_group is not None else ctx.rollout_group
 
 
-def _function_scores(
-    ctx: StageContext, keys: tuple[str, ...], texts: list[str], data: dict[str, Any]
-) -> Any:
+def _function_scores(ctx: StageContext, meta: BatchMeta, texts: list[str]) -> Any:
     from infra.reward_functions import RewardSample
 
+    data = read(ctx, meta, FUNCTION_READS)
     samples = [
         RewardSample(
             key=key,
@@ -125,39 +153,50 @@ def _function_scores(
             extra_info=dict(extra or {}),
         )
         for key, text, truth, source, extra in zip(
-            keys, texts, data["ground_truth"], data["data_source"], data["extra_info"], strict=True
+            meta.keys,
+            texts,
+            data["ground_truth"],
+            data["data_source"],
+            data["extra_info"],
+            strict=True,
         )
     ]
     return ctx.reward_pool.score(samples)
 
 
-def compute_scores(
-    ctx: StageContext, keys: tuple[str, ...], partition: str, data: dict[str, Any]
-) -> Scores:
-    """Every configured reward for one batch (see the module docstring); raises before anything
-    is written when one of them fails."""
+def compute_scores(ctx: StageContext, meta: BatchMeta) -> Scores:
+    """Every configured reward for one batch (see the module docstring); raises before
+    ``scores`` is written when one of them fails."""
     weights = ctx.cfg.reward
-    batch = len(keys)
-    out = Scores(total=torch.zeros(batch, dtype=torch.float32))
-    texts = (
-        decode_responses(ctx, data["response_ids"]) if weights.functions or uses_rule(ctx) else []
+    parts = scoring_group(ctx).run_sharded(
+        score_rows,
+        meta,
+        skip_empty=True,
+        rule=weights.rule if uses_rule(ctx) else None,
+        texts=bool(weights.functions),
+    )
+    out = Scores(
+        total=torch.zeros(len(meta.keys), dtype=torch.float32),
+        response_lengths=torch.tensor(
+            [n for p in parts for n in p.response_lengths], dtype=torch.int64
+        ),
     )
     # 1. The reward model, if any.
     if ctx.reward_group is not None:
-        out.rm, truncated = _reward_model_scores(ctx, keys, partition, data)
+        out.rm = torch.tensor([v for p in parts for v in p.rm or ()], dtype=torch.float32)
         out.total += weights.model_weight * out.rm
         out.metrics["reward/rm_score/mean"] = float(out.rm.mean())
-        out.metrics["reward/rm_truncated_ratio"] = float(truncated.float().mean())
+        out.metrics["reward/rm_truncated_ratio"] = sum(p.truncated for p in parts) / len(meta.keys)
     # 2. Reward functions, in their process pool.
     if weights.functions:
         from infra.reward_functions import metrics as function_metrics
 
-        fs = _function_scores(ctx, keys, texts, data)
+        fs = _function_scores(ctx, meta, [t for p in parts for t in p.texts or ()])
         out.total += torch.tensor(fs.total, dtype=torch.float32)
         out.metrics.update(function_metrics(fs))
     # 3. The rule.
     if uses_rule(ctx):
-        out.rule = rule_on_texts(ctx, texts, data["ground_truth"])
+        out.rule = torch.tensor([v for p in parts for v in p.rule or ()], dtype=torch.float32)
         out.total += weights.rule_weight * out.rule
         out.metrics["reward/rule/mean"] = float(out.rule.mean())
     return out
@@ -170,18 +209,21 @@ def score(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     done = ctx.store.kv_list(meta.partition_id)
     if meta.keys and all(set(names) <= set(done.get(k, ())) for k in meta.keys):
         return meta.with_fields(*names)
-    # 1. Read the declared fields.
-    data = read(ctx, meta, READS)
-    # 2. Score (raises, writing nothing, when a reward fails).
-    scores = compute_scores(ctx, meta.keys, meta.partition_id, data)
-    lengths = data["response_ids"].lengths
+    # 1. Score on the workers (they write rm_scores; raises, writing no scores, when a reward fails).
+    scores = compute_scores(ctx, meta)
     ctx.record(
-        step, {**score_metrics(scores=scores.total, response_lengths=lengths), **scores.metrics}
+        step,
+        {
+            **score_metrics(scores=scores.total, response_lengths=scores.response_lengths),
+            **scores.metrics,
+            "response_length/mean": float(scores.response_lengths.float().mean()),
+            "response_length/max": float(scores.response_lengths.max()),
+            "perf/total_num_tokens": float(scores.response_lengths.sum()),
+        },
     )
-    # 3. Write.
+    # 2. Write the per-sample totals.
     fields: dict[str, Any] = {"scores": scores.total}
-    if scores.rm is not None:
-        fields["rm_scores"] = Jagged.from_rows(assemble_rm_scores(scores.rm, lengths))
     if scores.rule is not None:
         fields["rule_scores"] = scores.rule
-    return write(ctx, meta, fields)
+    write(ctx, meta, fields)
+    return meta.with_fields(*names)

@@ -1,50 +1,163 @@
 """update: PPO update of the actor (and critic) on the training workers, then weight sync.
 
-Samples are sharded over the data-parallel workers; losses are normalised by the batch's global
-token and sequence counts so N workers make the same update as one. After the update the rollout
-engine gets the new weights (in-process on a colocated pool; through Ray's object store when the
-rollout has its own pool).
+The batch is sharded over the data-parallel training workers; each worker reads its rows
+(``update_rows``), runs ``tasks.update.optimize`` on them and sends back its metrics. Losses are
+normalised by the batch's global token and sequence counts (summed over the workers with an
+all-reduce) and the gradients are summed, so N workers make the same update as one. After the
+update the rollout engine gets the new weights (in-process on a colocated pool; through Ray's
+object store when the rollout has its own pool).
+
+Data-parallel workers each see ``1 / world_size`` of every mini-batch, so their mini/micro
+batch sizes are the configured (global) ones divided by the world size (``actor_settings``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from torch import Tensor
 
-from infra.group import split, take
-from infra.workers import PPOWorker
+from infra.config import TrainConfig
+from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.context import StageContext
-from tasks.io import read
-
-BASE_READS = ("prompt_ids", "response_ids", "advantages")
+from tasks.io import padded
+from tasks.logprobs.stage import read_packed
+from tasks.update.optimize import (
+    ActorUpdateSettings,
+    CriticUpdateSettings,
+    actor_update,
+    count_minibatch_units,
+    critic_update,
+    sync_gradients,
+)
 
 
 def reads(ctx: StageContext) -> tuple[str, ...]:
-    """The old log-probs come from ``TrainConfig.old_logprobs_field``; without one the update
-    uses its own first forward pass instead, and logs actor/kl_to_ref from it when a reference
-    is held."""
+    """Besides prompts and responses: the advantages, the old log-probs from
+    ``TrainConfig.old_logprobs_field`` (without one the update uses its own first forward pass
+    instead, and logs actor/kl_to_ref from it when a reference is held), the reference's
+    log-probs for a KL loss, and the critic's inputs."""
     algo, old = ctx.cfg.algorithm, ctx.cfg.old_logprobs_field
     with_ref = algo.kl.loss_coef > 0 or (algo.use_reference and old is None)
     return (
-        BASE_READS
+        ("advantages",)
         + ((old,) if old else ())
         + (("ref_logprobs",) if with_ref else ())
         + (("values", "returns") if algo.use_critic else ())
     )
 
 
-def update_fields(ctx: StageContext, data: Any) -> dict[str, Any]:
-    """The per-sample fields the workers' update takes, by the names it takes them under: the
-    configured old log-probs field (``TrainConfig.old_logprobs_field``) as ``old_logprobs``."""
-    old = ctx.cfg.old_logprobs_field
-    return {
-        ("old_logprobs" if name == old else name): data[name]
-        for name in reads(ctx)
-        if name not in ("prompt_ids", "response_ids")
-    }
+def _local(size: int, world: int) -> int:
+    return max(size // world, 1)
+
+
+def actor_settings(cfg: TrainConfig, world: int) -> ActorUpdateSettings:
+    opt, algo = cfg.actor, cfg.algorithm
+    return ActorUpdateSettings(
+        ppo_epochs=opt.ppo_epochs,
+        mini_batch_size=_local(opt.mini_batch_size, world),
+        micro_batch_size=min(
+            _local(opt.micro_batch_size, world), _local(opt.mini_batch_size, world)
+        ),
+        clip_low=opt.clip_low,
+        clip_high=opt.clip_high,
+        dual_clip=opt.dual_clip,
+        agg=opt.loss_agg,
+        entropy_coef=algo.entropy_coef,
+        kl_loss_coef=algo.kl.loss_coef,
+        kl_loss_kind=algo.kl.loss_kind,
+        max_grad_norm=opt.max_grad_norm,
+        temperature=cfg.rollout.temperature or 1.0,
+    )
+
+
+def critic_settings(cfg: TrainConfig, world: int) -> CriticUpdateSettings:
+    opt = cfg.critic
+    return CriticUpdateSettings(
+        ppo_epochs=opt.ppo_epochs,
+        mini_batch_size=_local(opt.mini_batch_size, world),
+        micro_batch_size=min(
+            _local(opt.micro_batch_size, world), _local(opt.mini_batch_size, world)
+        ),
+        clip_range=opt.value_clip,
+        agg=opt.loss_agg,
+        max_grad_norm=opt.max_grad_norm,
+    )
+
+
+def _global_units(
+    worker: ModelWorker, mask: Tensor, mini_batch_size: int, agg: str
+) -> list[float] | None:
+    """Each mini-batch's loss denominator summed over the data-parallel workers (None: one worker)."""
+    if worker.spec.world_size == 1:
+        return None
+    import torch.distributed as dist
+
+    units = torch.tensor(
+        count_minibatch_units(response_mask=mask, mini_batch_size=mini_batch_size, agg=agg),
+        dtype=torch.float64,
+    )
+    dist.all_reduce(units, op=dist.ReduceOp.SUM)
+    return list(units.tolist())
+
+
+def update_rows(
+    worker: ModelWorker,
+    shard: BatchMeta,
+    *,
+    fields: dict[str, str],
+    actor: ActorUpdateSettings,
+    critic: CriticUpdateSettings | None,
+) -> dict[str, float]:
+    """Worker side: read my samples → one PPO update of the actor (and critic) → new policy
+    version. ``fields`` maps the store's field names to the names the update takes them under."""
+    batch = read_packed(worker, shard)
+    data = worker.read(shard, tuple(fields))
+    width = batch.response_mask.shape[1]
+    given = {fields[name]: padded(value, width).float() for name, value in data.items()}
+    world = worker.spec.world_size
+    reducer = None if world == 1 else (lambda model: sync_gradients(model, world))
+    metrics: dict[str, float] = {}
+    units = _global_units(worker, batch.response_mask, actor.mini_batch_size, actor.agg)
+    with worker.awake("actor") as model:
+        metrics.update(
+            actor_update(
+                model=model.module,
+                optimizer=model.optimizer,
+                scheduler=model.scheduler,
+                batch=batch,
+                old_logprobs=given.get("old_logprobs"),
+                advantages=given["advantages"],
+                ref_logprobs=given.get("ref_logprobs"),
+                cfg=actor,
+                grad_reducer=reducer,
+                global_tokens=units,
+                global_seqs=units,
+            )
+        )
+    if critic is not None:
+        units = _global_units(worker, batch.response_mask, critic.mini_batch_size, critic.agg)
+        with worker.awake("critic") as model:
+            metrics.update(
+                critic_update(
+                    model=model.module,
+                    optimizer=model.optimizer,
+                    scheduler=model.scheduler,
+                    batch=batch,
+                    old_values=given["values"],
+                    returns=given["returns"],
+                    cfg=critic,
+                    grad_reducer=reducer,
+                    global_tokens=units,
+                    global_seqs=units,
+                )
+            )
+    worker.publish_policy()
+    return metrics
 
 
 # Each data-parallel worker returns its SHARE of these losses (divided by the global token or
@@ -65,25 +178,26 @@ def sync_rollout_weights(ctx: StageContext) -> None:
     """Push the actor's weights to a rollout pool that is not the training pool."""
     if ctx.rollout_group is ctx.train_group:
         return
-    version = ctx.train_group.call(PPOWorker.ping)[0]["version"]
+    version = ctx.train_group.call(ModelWorker.ping)[0]["version"]
     state = ctx.train_group.workers[0].policy_state.remote()
-    ctx.rollout_group.call(PPOWorker.load_policy, state, version)
+    ctx.rollout_group.call(ModelWorker.load_policy, state, version)
+
+
+def update_step_settings(ctx: StageContext) -> dict[str, Any]:
+    """The keyword arguments of ``update_rows`` for this run."""
+    old, world = ctx.cfg.old_logprobs_field, ctx.train_group.size
+    return {
+        "fields": {name: ("old_logprobs" if name == old else name) for name in reads(ctx)},
+        "actor": actor_settings(ctx.cfg, world),
+        "critic": critic_settings(ctx.cfg, world) if ctx.cfg.algorithm.use_critic else None,
+    }
 
 
 @task(name="update", cache_policy=NO_CACHE, task_run_name="update[step={step}]")
 def update(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
-    # 1. Read.
-    data = read(ctx, meta, reads(ctx))
-    prompts, responses = data["prompt_ids"], data["response_ids"]
-    fields = update_fields(ctx, data)
-    # 2. Update on every worker with its shard (workers normalise by global counts themselves).
-    group = ctx.train_group
-    shards = [
-        ((take(prompts, sl), take(responses, sl), {k: take(v, sl) for k, v in fields.items()}), {})
-        for sl in split(len(prompts), group.size)
-    ]
-    results = group.call_sharded(PPOWorker.update, shards)
-    # 3. Metrics (losses summed over the workers' shares, the rest averaged), then weight sync.
+    # 1. Every training worker updates on its shard (they normalise by global counts).
+    results = ctx.train_group.run_sharded(update_rows, meta, **update_step_settings(ctx))
+    # 2. Metrics (losses summed over the workers' shares, the rest averaged), then weight sync.
     ctx.record(step, combine_worker_metrics(results))
     sync_rollout_weights(ctx)
     return meta

@@ -19,7 +19,6 @@ from prefect.cache_policies import NO_CACHE
 from tasks.context import StageContext
 from tasks.generate.stage import generate_partition, submit_prompts
 from tasks.io import read
-from tasks.score.stage import READS as SCORE_READS
 from tasks.score.stage import compute_scores
 
 VALIDATION_SEED = 0
@@ -53,10 +52,9 @@ def validate(ctx: StageContext, rows: list[Any], step: int) -> dict[str, float]:
         meta = generate_partition(
             ctx, meta, seed=VALIDATION_SEED, n=n, temperature=cfg.rollout.val_temperature
         )
-        data = read(ctx, meta, SCORE_READS)
-        scores = compute_scores(ctx, meta.keys, partition, data)
+        scores = compute_scores(ctx, meta)
         # 4. Means per data source.
-        sources = [str(s) for s in data["data_source"]]
+        sources = [str(s) for s in read(ctx, meta, ("data_source",))["data_source"]]
         metrics = {
             f"val-core/{k}": v
             for k, v in per_source_means(sources, scores.total.tolist(), "reward", n).items()

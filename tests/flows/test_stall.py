@@ -1,4 +1,5 @@
-"""A stalled producer surfaces as StoreTimeout, a Prefect retry, then a failed task naming what stalled."""
+"""A stalled producer surfaces as StoreTimeout in the worker that waits for its rows, a Prefect
+retry, then a failed task naming what stalled."""
 
 from __future__ import annotations
 
@@ -11,16 +12,28 @@ from storage import BatchMeta, open_store
 
 
 def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(
-    prefect_harness,
+    prefect_harness, ray_local, assets
 ) -> None:
     from prefect import flow
     from prefect.client.orchestration import get_client
 
+    from infra.cluster import create_pool
+    from infra.group import WorkerGroup
+    from infra.workers import WorkerSpec
     from tasks.context import StageContext
     from tasks.score.stage import score
 
-    cfg = load_config(None, ["store.get_timeout_s=0.3"])
-    store = open_store("memory://")
+    cfg = load_config(None, ["store.get_timeout_s=0.3", "warmstart.enabled=false"])
+    store = open_store("ray://test-stall?shards=1")
+    pool = create_pool("stall", 1, accelerator="gpu_slot")
+    spec = WorkerSpec(
+        roles=("rollout",),
+        cfg=cfg,
+        policy_path=str(assets.policy),
+        tokenizer_path=str(assets.tokenizer),
+        store_url=store.url,
+    )
+    group = WorkerGroup(pool, spec, call_timeout_s=60)
     partition = "train/step-000007"
     keys = ["u1/0", "u1/1"]
     # The prompts are there; the generate stage (the producer) never writes response_ids.
@@ -33,7 +46,7 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(
             "ground_truth": ["3", "3"],
         },
     )
-    ctx = StageContext(cfg=cfg, store=store, tokenizer=None, train_group=None)
+    ctx = StageContext(cfg=cfg, store=store, tokenizer=None, train_group=group)
     meta = BatchMeta(partition_id=partition, keys=tuple(keys), fields=("prompt_ids",))
 
     @flow(name="stall-probe")
@@ -45,7 +58,13 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(
             )
         }
 
-    state = probe()["task"]
+    try:
+        state = probe()["task"]
+        listing = store.kv_list(partition)
+    finally:
+        group.shutdown()
+        pool.release()
+        store.close()
     assert state.is_failed()
     assert "StoreTimeout" in state.message or "response_ids" in state.message, state.message
     assert "response_ids" in state.message and partition in state.message
@@ -56,7 +75,6 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(
 
     assert asyncio.run(run_count()) == 2  # the first try and one retry
     # Nothing stored before the stall was lost, and nothing was half-written.
-    listing = store.kv_list(partition)
     assert set(listing) == set(keys)
     assert all(
         set(fields) == {"prompt_ids", "raw_prompt", "ground_truth"} for fields in listing.values()

@@ -9,9 +9,12 @@ import torch
 from byo_assets import build_reward_tokenizer  # a Llama-3-style tokenizer without a pad token
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from infra.config import OptimConfig, RolloutConfig
-from infra.transport import Jagged
-from infra.workers import PPOWorker, WorkerSpec, pad_token_id, stop_token_ids
+from infra.config import load_config
+from infra.workers import ModelWorker, WorkerSpec, pad_token_id, stop_token_ids
+from storage import BatchMeta, open_store
+from tasks.generate.stage import generate_rows, sample_meta
+from tasks.io import nested, rows
+from tasks.update.stage import actor_settings, update_rows
 
 
 def _llama3_policy(out: Path) -> Path:
@@ -35,13 +38,19 @@ def _llama3_policy(out: Path) -> Path:
 
 def test_a_padless_policy_generates_scores_and_updates(tmp_path: Path) -> None:
     path = str(_llama3_policy(tmp_path / "llama3"))
-    worker = PPOWorker(
+    cfg = load_config(
+        None,
+        ["rollout.max_new_tokens=6", "rollout.n=2", "actor.lr=1e-3", "actor.mini_batch_size=4",
+         "actor.micro_batch_size=2"],
+    )  # fmt: skip
+    store = open_store("memory://padless")
+    worker = ModelWorker(
         WorkerSpec(
             roles=("rollout", "actor"),
+            cfg=cfg,
             policy_path=path,
             tokenizer_path=path,
-            rollout=RolloutConfig(max_new_tokens=6, n=2),
-            actor_optim=OptimConfig(lr=1e-3, mini_batch_size=4, micro_batch_size=2),
+            store_url="memory://padless",
         )
     )
     tok = worker.tokenizer
@@ -51,20 +60,36 @@ def test_a_padless_policy_generates_scores_and_updates(tmp_path: Path) -> None:
     assert stop_token_ids(tok, path) == (tok.eos_token_id, eot)
     assert pad_token_id(tok) == tok.eos_token_id
     msgs = [[{"role": "user", "content": "2+2="}], [{"role": "user", "content": "hello there"}]]
-    prompts = Jagged.from_rows(
-        [
-            torch.tensor(tok.apply_chat_template(m, add_generation_prompt=True, return_dict=False))
-            for m in msgs
-        ]
+    ids = [
+        torch.tensor(tok.apply_chat_template(m, add_generation_prompt=True, return_dict=False))
+        for m in msgs
+    ]
+    prompts = BatchMeta("padless/1", ("a/0", "b/0"))
+    samples = sample_meta(prompts, 2)
+    store.kv_batch_put(
+        list(samples.keys), "padless/1", {"prompt_ids": nested([p for p in ids for _ in range(2)])}
     )
-    responses, logprobs, _ = worker.generate(prompts, n=2, seed=0)
-    for row in responses.rows():
+    worker.run(generate_rows, prompts, n=2, seed=0, first_group=0)
+    responses = rows(
+        store.kv_batch_get(list(samples.keys), "padless/1", ["response_ids"])["response_ids"]
+    )
+    for row in responses:
         ends = [i for i, t in enumerate(row.tolist()) if t in (tok.eos_token_id, eot)]
         assert ends in ([], [len(row) - 1])  # nothing after an end token
     # 2. One update on the rows (padded with EOS inside the batch) changes the policy.
-    rep = Jagged.from_rows([r for r in prompts.rows() for _ in range(2)])
+    store.kv_batch_put(
+        list(samples.keys),
+        "padless/1",
+        {"advantages": nested([torch.full((len(r),), 1.0) for r in responses])},
+    )
     before = worker.parameters_digest()
-    advantages = Jagged.from_rows([torch.full((len(r),), 1.0) for r in responses.rows()])
-    metrics = worker.update(rep, responses, {"advantages": advantages})
+    metrics = worker.run(
+        update_rows,
+        samples,
+        fields={"advantages": "advantages"},
+        actor=actor_settings(cfg, 1),
+        critic=None,
+    )
     assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
     assert worker.parameters_digest() != before
+    store.close()

@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from infra.config import load_config
-from infra.transport import Jagged
 from tasks.advantage.stage import compute
-from tasks.context import StageContext
+from tasks.io import nested
 from tasks.kl import AdaptiveKLController
 
 
@@ -25,20 +24,17 @@ def test_a_retried_advantage_leaves_the_kl_controller_unmoved() -> None:
         ],
     )
     controller = AdaptiveKLController(init_coef=0.1, target=0.01, horizon=10)
-    ctx = StageContext(
-        cfg=cfg, store=None, tokenizer=None, train_group=None, kl_controller=controller
-    )
     lengths = [3, 1, 2, 2]
     data = {
-        "response_ids": Jagged.from_rows([torch.ones(n, dtype=torch.int64) for n in lengths]),
+        "response_ids": nested([torch.ones(n, dtype=torch.int64) for n in lengths]),
         "scores": torch.tensor([1.0, 0.0, 0.5, 0.2]),
         "group_ids": torch.tensor([0, 0, 1, 1]),
-        "old_logprobs": Jagged.from_rows([torch.full((n,), -1.0) for n in lengths]),
-        "ref_logprobs": Jagged.from_rows([torch.full((n,), -2.0) for n in lengths]),
+        "old_logprobs": nested([torch.full((n,), -1.0) for n in lengths]),
+        "ref_logprobs": nested([torch.full((n,), -2.0) for n in lengths]),
     }
-    first = compute(ctx, data, step=0)
-    again = compute(ctx, data, step=0)
+    first, metrics = compute(cfg, data, kl_coef=controller.value)
+    again, _ = compute(cfg, data, kl_coef=controller.value)
     assert controller.value == 0.1  # not moved by either attempt
     for name in ("token_rewards", "advantages", "returns"):
         torch.testing.assert_close(first[name], again[name])
-    assert ctx.metrics[0]["actor/reward_kl_penalty"] > 0
+    assert metrics["actor/reward_kl_penalty"] > 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infra.config import load_config
-from storage import BatchMeta, StoreTimeout, open_store
+from storage import BatchMeta, open_store
 from tasks.context import StageContext
 from tasks.score.stage import score, writes
 
@@ -20,21 +20,33 @@ def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
         "rm_scores": [torch.tensor([0.0, 0.5]), torch.tensor([-0.5])],
     }
     store.kv_batch_put(keys, partition, scored)
-    # A reward group that cannot be called: scoring again would fail on it.
+    # Reward workers that only record what they are asked to score.
+    workers = AskedToScore()
     ctx = StageContext(
         cfg=load_config(None, ["store.get_timeout_s=0.1"]),
         store=store,
         tokenizer=None,
         train_group=None,
-        reward_group=object(),
+        reward_group=workers,
     )
     meta = BatchMeta(partition_id=partition, keys=tuple(keys), fields=())
     out = score.fn(ctx, meta, 3)
     assert writes(ctx) == ("scores", "rm_scores", "rule_scores")
     assert set(writes(ctx)) <= set(out.fields)
-    assert not ctx.metrics  # nothing recomputed, nothing recorded
-    # One key without scores: the task goes on to read the inputs (and waits for them here).
-    store.kv_batch_put(["u2/0"], partition, {"prompt_ids": [torch.tensor([1, 2])]})
+    assert not ctx.metrics and not workers.asked  # nothing recomputed, nothing recorded
+    # One key without scores: the whole batch goes to the reward workers again.
     partial = BatchMeta(partition_id=partition, keys=(*keys, "u2/0"), fields=())
-    with pytest.raises(StoreTimeout, match="response_ids"):
+    with pytest.raises(LookupError, match="asked to score"):
         score.fn(ctx, partial, 3)
+    assert workers.asked == [partial.keys]
+
+
+class AskedToScore:
+    """Stands in for a reward ``WorkerGroup``: records the batch it is asked to score."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, ...]] = []
+
+    def run_sharded(self, step, meta, **kwargs):
+        self.asked.append(meta.keys)
+        raise LookupError(f"asked to score {len(meta.keys)} samples")

@@ -1,0 +1,105 @@
+"""``separate_async``: the rollout producer, a thread that runs the generate and score tasks of
+the coming steps on the rollout and reward pools, at most ``resources.max_staleness`` steps ahead
+of the trainer, while the training loop runs logprobs → advantage → update of its own step.
+
+The thread runs in a copy of the flow run's context, so its task runs belong to the flow run
+(the UI shows generate/score of step k+1 beside update of k). A failure in the producer is
+raised in the training loop at once by ``wait``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from storage import BatchMeta
+
+
+class RolloutProducer:
+    """Produces scored partitions for steps ``first, first + 1, ...`` (see the module docstring).
+
+    ``lock`` is the trainer's condition: it guards ``produced`` and is notified when the
+    trainer's policy version moves (``version()``)."""
+
+    def __init__(
+        self,
+        *,
+        stages: dict[str, Any],
+        ctx: Any,
+        submit: Callable[[int], BatchMeta],
+        version: Callable[[], int],
+        lock: threading.Condition,
+    ) -> None:
+        self.stages, self.ctx, self.submit, self.version = stages, ctx, submit, version
+        self.lock = lock
+        self.produced: dict[int, BatchMeta] = {}
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, first: int) -> None:
+        self._thread = threading.Thread(  # in the flow run's context: its tasks belong to it
+            target=contextvars.copy_context().run,
+            args=(self._produce, first),
+            daemon=True,
+            name="rollout-producer",
+        )
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        with self.lock:
+            self.lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+
+    def wait(self, step: int) -> BatchMeta:
+        """The step's generated and scored partition, once produced. A producer failure is
+        raised at once; no rows within ``store.get_timeout_s`` is a TimeoutError naming the step."""
+        timeout = self.ctx.get_timeout
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while step not in self.produced:
+                if self.error is not None:
+                    raise RuntimeError(
+                        f"no rollout for step {step}: the producer failed: {self.error!r}"
+                    ) from self.error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no rollout for step {step} within store.get_timeout_s={timeout:.0f} s"
+                    )
+                self.lock.wait(left)
+            return self.produced.pop(step)
+
+    def _produce(self, first: int) -> None:
+        cfg = self.ctx.cfg
+        step = first
+        try:
+            while not self._stop.is_set() and step < cfg.trainer.total_steps:
+                with self.lock:  # at most max_staleness steps ahead of the trainer
+                    while (
+                        self.version() < step - cfg.resources.max_staleness
+                        and not self._stop.is_set()
+                    ):
+                        self.lock.wait(0.5)
+                if self._stop.is_set():
+                    return
+                meta = self.submit(step)
+                t0 = time.perf_counter()
+                meta = self.stages["generate"](self.ctx, [meta], step)[0]
+                t1 = time.perf_counter()
+                meta = self.stages["score"](self.ctx, meta, step)
+                seconds = {"timing_s/generate": t1 - t0, "timing_s/score": time.perf_counter() - t1}
+                self.ctx.record(step, seconds)
+                with self.lock:
+                    self.produced[step] = meta
+                    self.lock.notify_all()
+                step += 1
+        except BaseException as exc:  # raised in the training loop by wait()
+            self.error = exc
+            with self.lock:
+                self.lock.notify_all()
