@@ -64,6 +64,7 @@ def _iteration(worker: Any, prompts: Any, samples: Any, n: int) -> dict[str, flo
     worker.run(
         update_rows,
         samples,
+        step=worker.version,
         fields={k: k for k in names},
         actor=actor_settings(worker.cfg, 1),
         critic=critic_settings(worker.cfg, 1),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,10 @@ def save_checkpoint(
     store: Any,
     partitions: list[str],
     keep: int,
+    midway: Callable[[], None] | None = None,
 ) -> Path:
-    """Write a whole checkpoint atomically; keep the newest ``keep``."""
+    """Write a whole checkpoint atomically; keep the newest ``keep``. ``midway`` is called when
+    everything is written but not yet renamed into place (where an injected fault strikes)."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -56,6 +59,8 @@ def save_checkpoint(
     (tmp / STATE).write_text(
         json.dumps({**state, "step": step, "partitions": partitions}, indent=1)
     )
+    if midway is not None:
+        midway()
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in sorted((run_dir / "checkpoints").glob("step-*"))[:-keep]:
@@ -104,6 +109,7 @@ def checkpoint_run(
     data: Any,
     pending: dict[int, BatchMeta],
     keep: int,
+    midway: Callable[[], None] | None = None,
 ) -> Path:
     """Save the run after ``step``: workers, data cursor, KL controller and the partitions
     ``pending`` (submitted for later steps)."""
@@ -120,4 +126,5 @@ def checkpoint_run(
         store=rt.store,
         partitions=[m.partition_id for m in pending.values()],
         keep=keep,
+        midway=midway,
     )

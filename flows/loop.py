@@ -31,6 +31,8 @@ from flows.report import RunReport
 from flows.reward_model import ResolvedModels
 from flows.runtime import Runtime
 from infra.config import TrainConfig
+from infra.faults import FaultPlan
+from infra.group import WorkerDied
 from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.advantage.stage import advantage
@@ -62,7 +64,7 @@ def retryable(task: Any, task_run: Any, state: Any) -> bool:
         state.result(raise_on_failure=True)
     except RewardFunctionError as exc:
         return exc.kind in ("timeout", "died")
-    except NonFiniteScoreError:
+    except (NonFiniteScoreError, WorkerDied):  # a dead worker is replaced by the loop, not retried
         return False
     except BaseException:  # noqa: BLE001 - anything else may be transient
         return True
@@ -115,6 +117,7 @@ class Trainer:
             rollout_group=rt.rollout_group,
             kl_controller=controller,
             reward_pool=rt.reward_pool,
+            faults=FaultPlan(cfg.faults, run_dir),
         )
         self.data = datasets.train
         self.notes = datasets.notes
@@ -139,6 +142,8 @@ class Trainer:
         self.version = 0
         self.last_checkpoint: Path | None = None
         self.producer: RolloutProducer | None = None
+        self.restarts = 0
+        self.initial: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ resume / checkpoint
     def resume(self) -> int:
@@ -152,6 +157,13 @@ class Trainer:
         return restored.step + 1
 
     def checkpoint(self, step: int) -> None:
+        fault = self.ctx.faults.take("checkpoint", step, 1)
+        if fault is not None and fault.action == "raise":
+            self.ctx.faults.fire_here(fault, f"checkpoint at step {step}")
+        if fault is not None and fault.action == "kill_worker":
+            import ray
+
+            ray.kill(self.rt.train_group.workers[0], no_restart=True)
         with self.submit_lock:
             pending = {s: m for s, m in self.submitted.items() if s > step}
             self.last_checkpoint = checkpoint_run(
@@ -162,6 +174,9 @@ class Trainer:
                 data=self.data,
                 pending=pending,
                 keep=self.cfg.trainer.keep_checkpoints,
+                midway=(lambda: self.ctx.faults.fire_here(fault, "checkpoint"))
+                if fault is not None and fault.action == "exit_flow"
+                else None,
             )
 
     # ------------------------------------------------------------------ prompts and rollout
@@ -243,9 +258,56 @@ class Trainer:
                 f"{self.cfg.resources.max_staleness}"
             )
 
+    # ------------------------------------------------------------------ restarts
+    def restart(self, exc: WorkerDied, step: int, report: RunReport) -> int:
+        """Replace the dead worker's group and continue from the latest checkpoint (or from the
+        run's start without one); returns the step to run next."""
+        self.stop_producer()
+        exc.group.restart()
+        self.restarts += 1
+        for s in list(self.submitted):  # rows of steps not checkpointed are made again
+            self.rt.store.kv_clear(partition_id(s))
+        self.submitted = {}
+        path = latest_checkpoint(self.run_dir)
+        if path is not None:
+            restored = restore(path, rt=self.rt, ctx=self.ctx, data=self.data)
+            self.version, self.submitted = restored.version, restored.submitted
+            nxt = restored.step + 1
+        else:
+            self.data.load_state_dict(self.initial["data"])
+            self.ctx.kl_controller.load_state_dict(self.initial["kl"])
+            self.version, nxt = 0, self.initial["step"]
+        for s in [s for s in self.ctx.metrics if s >= nxt]:
+            self.ctx.metrics.pop(s)
+        report.restarted(nxt, {"failed_step": step, "restarts": self.restarts, "error": str(exc)})
+        self.ctx.record(nxt, {"trainer/restarts": float(self.restarts)})
+        self.start_producer(nxt)
+        return nxt
+
+    def start_producer(self, first: int) -> None:
+        if self.cfg.resources.mode == "separate_async":
+            self.producer = RolloutProducer(
+                stages=self.stages,
+                ctx=self.ctx,
+                submit=self.submit,
+                version=lambda: self.version,
+                lock=self.submit_lock,
+            )
+            self.producer.start(first)
+
+    def stop_producer(self) -> None:
+        if self.producer is not None:
+            self.producer.stop(timeout=self.cfg.orchestration.call_timeout_s)
+            self.producer = None
+
     # ------------------------------------------------------------------ the run
     def run(self, report_factory: Any = RunReport) -> RunResult:
         cfg = self.cfg
+        self.initial = {
+            "data": self.data.state_dict(),
+            "kl": self.ctx.kl_controller.state_dict(),
+            "step": 0,
+        }
         first = self.resume()
         report: RunReport = report_factory(
             self.run_dir,
@@ -259,45 +321,54 @@ class Trainer:
             config=cfg.model_dump(mode="json"),
         )
         report.start(first)
-        if cfg.resources.mode == "separate_async":
-            self.producer = RolloutProducer(
-                stages=self.stages,
-                ctx=self.ctx,
-                submit=self.submit,
-                version=lambda: self.version,
-                lock=self.submit_lock,
-            )
-            self.producer.start(first)
+        self.start_producer(first)
         t0 = time.perf_counter()
-        step = first
         per_run = cfg.trainer.steps_per_run
         end = (
             cfg.trainer.total_steps
             if per_run is None
             else min(cfg.trainer.total_steps, first + per_run)
         )
+        step = last = first
         try:
-            for step in range(first, end):
-                # Evaluation before the step's update every eval_every steps, and after the last.
-                metrics = {**(self.evaluate(step) if self.evaluate.due(step) else {})}
-                metrics.update(self.iteration(step))
-                if step == first:
-                    metrics.update(self.notes)
-                if step == end - 1 and self.evaluate.enabled:
-                    metrics.update(self.evaluate(step + 1))
-                report.log(step, {**self.ctx.metrics.pop(step, {}), **metrics})
-                out_of_time = (
-                    cfg.trainer.max_seconds is not None
-                    and time.perf_counter() - t0 > cfg.trainer.max_seconds
-                )
-                if (step + 1) % cfg.trainer.checkpoint_every == 0 or step == end - 1 or out_of_time:
-                    self.checkpoint(step)
+            while step < end:
+                try:
+                    out_of_time = self.one_step(step, first=first, end=end, report=report, t0=t0)
+                except WorkerDied as exc:
+                    if self.restarts >= cfg.trainer.max_restarts:
+                        raise WorkerDied(
+                            f"{exc} at step {step}; no restart left "
+                            f"(trainer.max_restarts={cfg.trainer.max_restarts})",
+                            exc.group,
+                        ) from exc
+                    step = self.restart(exc, step, report)
+                    continue
+                last = step
                 if out_of_time:
                     break
+                step += 1
         finally:
             report.close()
-            if self.producer is not None:
-                self.producer.stop(timeout=cfg.orchestration.call_timeout_s)
+            self.stop_producer()
         return RunResult(
-            report=report, first_step=first, last_step=step, checkpoint=self.last_checkpoint
+            report=report, first_step=first, last_step=last, checkpoint=self.last_checkpoint
         )
+
+    def one_step(self, step: int, *, first: int, end: int, report: RunReport, t0: float) -> bool:
+        """Evaluate if due, iterate, log, checkpoint if due; True when out of time."""
+        cfg = self.cfg
+        # Evaluation before the step's update every eval_every steps, and after the last.
+        metrics = {**(self.evaluate(step) if self.evaluate.due(step) else {})}
+        metrics.update(self.iteration(step))
+        if step == first:
+            metrics.update(self.notes)
+        if step == end - 1 and self.evaluate.enabled:
+            metrics.update(self.evaluate(step + 1))
+        report.log(step, {**self.ctx.metrics.pop(step, {}), **metrics})
+        out_of_time = (
+            cfg.trainer.max_seconds is not None
+            and time.perf_counter() - t0 > cfg.trainer.max_seconds
+        )
+        if (step + 1) % cfg.trainer.checkpoint_every == 0 or step == end - 1 or out_of_time:
+            self.checkpoint(step)
+        return out_of_time

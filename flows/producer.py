@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from infra.group import WorkerDied
 from storage import BatchMeta
 
 
@@ -63,6 +64,8 @@ class RolloutProducer:
         deadline = time.monotonic() + timeout
         with self.lock:
             while step not in self.produced:
+                if isinstance(self.error, WorkerDied):
+                    raise self.error  # the training loop replaces the worker
                 if self.error is not None:
                     raise RuntimeError(
                         f"no rollout for step {step}: the producer failed: {self.error!r}"

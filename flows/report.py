@@ -38,6 +38,7 @@ from infra.config import AlertConfig
 
 ITERATION_EVENT = "ppoflow.iteration.completed"
 ALERT_EVENT = "ppoflow.metric.alert"
+RESTART_EVENT = "ppoflow.worker.restarted"
 TABLE_COLUMNS = (
     "step",
     "critic/score/mean",
@@ -190,6 +191,11 @@ class RunReport:
             "prefect.resource.id": f"ppoflow.run.{self.name}",
             "prefect.resource.name": self.name,
         }
+
+    def restarted(self, step: int, payload: dict[str, Any]) -> None:
+        """Emit ``ppoflow.worker.restarted``: a dead worker was replaced and the run continues
+        from ``step``."""
+        emit_event(event=RESTART_EVENT, resource=self._resource, payload={"step": step, **payload})
 
     def _check_alerts(self, step: int, row: dict[str, Any]) -> None:
         """Emit ``ppoflow.metric.alert`` when an alert's metric goes outside its bounds (once per

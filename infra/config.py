@@ -355,8 +355,45 @@ class AlertConfig(_Section):
         return self
 
 
+FaultStage = Literal["generate", "score", "logprobs", "advantage", "update", "checkpoint"]
+FaultAction = Literal["raise", "delay", "kill_worker", "exit_flow"]
+
+
+class FaultConfig(_Section):
+    """One injected failure, to rehearse recovery (docs/operations.md): at ``stage`` of ``step``,
+    on its ``attempt``-th try, ``action``. Each entry fires at most once per run."""
+
+    stage: FaultStage = Field(
+        description="generate | score | logprobs | advantage | update | checkpoint"
+    )
+    step: int = Field(ge=0, description="The training step it fires at.")
+    attempt: int = Field(1, ge=1, description="The stage's try it fires on (1 = the first).")
+    action: FaultAction = Field(
+        description="raise: the stage raises before any side effect; delay: the workers do the "
+        "work, then wait `seconds` before replying; kill_worker: the first worker's process "
+        "exits at the start of the call; exit_flow: the flow process exits."
+    )
+    seconds: float = Field(0.0, ge=0, description="How long `delay` waits.")
+
+    @model_validator(mode="after")
+    def _delay_has_seconds(self) -> FaultConfig:
+        if self.action == "delay" and self.seconds <= 0:
+            raise ValueError("a delay fault needs seconds > 0")
+        if self.stage == "checkpoint" and self.action == "delay":
+            raise ValueError(
+                "the checkpoint has no worker reply to delay: use raise, kill_worker or exit_flow"
+            )
+        return self
+
+
 class TrainerConfig(_Section):
     total_steps: int = Field(25, ge=1, description="RL iterations.")
+    max_restarts: int = Field(
+        1,
+        ge=0,
+        description="Times a run recreates its workers after one dies and continues from the "
+        "latest checkpoint; past that the run fails naming the dead worker.",
+    )
     max_seconds: float | None = Field(
         None, gt=0, description="Stop after this much RL time (checkpointed)."
     )
@@ -417,6 +454,10 @@ class TrainConfig(_Section):
     store: StoreConfig = Field(default_factory=StoreConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    faults: list[FaultConfig] = Field(
+        default_factory=list,
+        description="Injected failures to rehearse recovery: [{stage, step, attempt, action, seconds}].",
+    )
 
     @model_validator(mode="after")
     def _check_modes(self) -> TrainConfig:

@@ -251,4 +251,3 @@ class PromptDataset:
             )
         self.epoch, self.index = epoch, index
         self._order = self._epoch_order(epoch)
-

@@ -3,7 +3,7 @@
 A ``ModelWorker`` owns some of the roles ``rollout`` (generation engine), ``reward`` (reward
 model), ``actor`` (policy + optimizer), ``ref`` (frozen reference policy) and ``critic`` (value
 model + optimizer), and a handle on the run's store. It knows nothing of the stages: a stage
-hands it a function, ``worker.run(step_fn, shard, ...)`` calls ``step_fn(worker, shard, ...)``
+hands it a function, ``worker.run(fn, shard, ...)`` calls ``fn(worker, shard, ...)``
 in the worker's process, and that function reads the shard's rows from the store, wakes the role
 it needs (``with worker.awake("actor") as actor:``), computes and writes its rows back. The flow
 process moves only ``BatchMeta`` handles and metrics. Roles in one worker share its device and
@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import os
 import random
+import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import numpy as np
 import torch
 
 from infra.colocate import ColocatedGroup
 from infra.config import OptimConfig, TrainConfig
+from infra.faults import EXIT_STATUS
 from infra.kernels import fuse_activations
 from storage import BatchMeta
 
@@ -54,7 +57,6 @@ class WorkerSpec:
     store_url: str = "memory://"
     rank: int = 0
     world_size: int = 1
-    dist_address: str | None = None
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -133,8 +135,7 @@ class ModelWorker:
         self.dtype = getattr(torch, cfg.models.dtype)
         self.group = ColocatedGroup(f"worker-{spec.rank}")
         self.version = 0
-        if spec.world_size > 1:
-            self._init_distributed()
+        self.applied: dict[str, Any] = {}  # results of work applied once (see ``once``)
         from storage import open_store
 
         self.store = open_store(spec.store_url)
@@ -151,13 +152,23 @@ class ModelWorker:
             self.group.put_all_to_sleep()  # models load awake; each waits asleep for its turn
 
     # ----------------------------------------------------------------- building roles
-    def _init_distributed(self) -> None:
+    def rendezvous_address(self) -> str:
+        """``host:port`` on this worker's node where the data-parallel group meets (rank 0's)."""
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def join_group(self, address: str) -> None:
+        """Join the data-parallel torch.distributed group meeting at ``address``."""
         import torch.distributed as dist
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{self.spec.dist_address}",
+            init_method=f"tcp://{address}",
             rank=self.spec.rank,
             world_size=self.spec.world_size,
         )
@@ -232,10 +243,37 @@ class ModelWorker:
 
     # ----------------------------------------------------------------- running stage steps
     def run(
-        self, step: Callable[Concatenate[ModelWorker, P], R], *args: P.args, **kwargs: P.kwargs
+        self, fn: Callable[Concatenate[ModelWorker, P], R], /, *args: P.args, **kwargs: P.kwargs
     ) -> R:
-        """``step(self, *args, **kwargs)``: a stage's worker-side step, in this process."""
-        return step(self, *args, **kwargs)
+        """``fn(self, *args, **kwargs)``: a stage's worker-side step, in this process."""
+        return fn(self, *args, **kwargs)
+
+    def run_faulty(
+        self,
+        action: str,
+        seconds: float,
+        fn: Callable[Concatenate[ModelWorker, P], R],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        """``run`` with an injected fault (infra.faults): ``kill_worker`` exits this process
+        before the step, ``delay`` waits ``seconds`` after it, before replying."""
+        if action == "kill_worker":
+            os._exit(EXIT_STATUS)
+        result = fn(self, *args, **kwargs)
+        if action == "delay":
+            time.sleep(seconds)
+        return result
+
+    def once(self, name: str, apply: Callable[[], R]) -> R:
+        """``apply()`` the first time ``name`` (e.g. ``update@12``) is asked for; every later
+        call returns that first result without applying anything. A retried stage whose first
+        call is still running queues behind it (a worker runs one call at a time) and then gets
+        its result, so the work is applied exactly once."""
+        if name not in self.applied:
+            self.applied[name] = apply()
+        return cast(R, self.applied[name])
 
     def has(self, role: str) -> bool:
         return role in self.spec.roles

@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 from infra.config import TrainConfig
+from infra.faults import FaultPlan
 
 
 class StageContext:
@@ -27,6 +28,7 @@ class StageContext:
         rollout_group: Any | None = None,
         kl_controller: Any | None = None,
         reward_pool: Any | None = None,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.cfg = cfg
         self.store = store
@@ -36,6 +38,7 @@ class StageContext:
         self.rollout_group = rollout_group or train_group
         self.kl_controller = kl_controller
         self.reward_pool = reward_pool  # None: no reward functions
+        self.faults = faults if faults is not None else FaultPlan([], None)
         self.metrics: dict[int, dict[str, float]] = defaultdict(dict)
 
     def record(self, step: int, values: dict[str, float]) -> None:
@@ -44,3 +47,16 @@ class StageContext:
     @property
     def get_timeout(self) -> float:
         return self.cfg.store.get_timeout_s
+
+    def inject(self, stage: str, step: int, group: Any | None = None) -> None:
+        """Fire the ``faults`` entry due at this try of ``stage`` (infra.faults): ``raise`` and
+        ``exit_flow`` act here, ``delay`` and ``kill_worker`` on ``group``'s next call."""
+        if not self.faults.faults:
+            return
+        from prefect.runtime import task_run
+
+        attempt = max(int(task_run.run_count or 1), 1)
+        fault = self.faults.take(stage, step, attempt)
+        self.faults.fire_here(fault, f"{stage} at step {step}, attempt {attempt}")
+        if fault is not None and group is not None:
+            group.arm(fault)

@@ -196,7 +196,9 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
     start = time.perf_counter()
     # 1. Prompts (the flow's submit), 2. generate, 3. score, 4. logprobs, 5. advantage, 6. update.
     partition = f"direct/step-{step:06d}"
-    meta = submit_prompts(ctx, partition_id=partition, rows=data.next_batch(cfg.rollout.prompts_per_step))
+    meta = submit_prompts(
+        ctx, partition_id=partition, rows=data.next_batch(cfg.rollout.prompts_per_step)
+    )
     with timed(t, "generate"):
         prompts = type(meta)(partition, meta.keys[::n])
         worker.run(generate_rows, prompts, n=n, seed=generation_seed(cfg.seed, step), first_group=0)
@@ -216,7 +218,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
     with timed(t, "advantage"):
         worker.run(advantage_rows, meta, kl_coef=ctx.kl_controller.value)
     with timed(t, "update"):
-        worker.run(update_rows, meta, **update_step_settings(ctx))
+        worker.run(update_rows, meta, step=step, **update_step_settings(ctx))
     ctx.store.kv_clear(partition)
     t["timing_s/step"] = time.perf_counter() - start
     t["perf/total_num_tokens"] = float(sum(part.response_lengths))

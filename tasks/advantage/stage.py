@@ -96,6 +96,7 @@ def advantage_rows(worker: ModelWorker, meta: BatchMeta, *, kl_coef: float) -> d
 
 @task(name="advantage", cache_policy=NO_CACHE, task_run_name="advantage[step={step}]")
 def advantage(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
+    ctx.inject("advantage", step, ctx.train_group)
     coef = ctx.kl_controller.value if ctx.kl_controller is not None else 0.0
     ctx.record(step, ctx.train_group.run_on(0, advantage_rows, meta, kl_coef=coef))
     return meta.with_fields(*WRITES)

@@ -146,6 +146,7 @@ def generate_partition(
 @task(name="generate", cache_policy=NO_CACHE, task_run_name="generate[step={step}]")
 def generate(ctx: StageContext, metas: list[BatchMeta], step: int) -> list[BatchMeta]:
     """Generate responses for each submitted partition in ``metas`` (several when generating ahead)."""
+    ctx.inject("generate", step, ctx.rollout_group)
     out = []
     for offset, meta in enumerate(metas):
         done = ctx.store.kv_list(meta.partition_id)

@@ -106,6 +106,7 @@ def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[str, ...
 
 @task(name="logprobs", cache_policy=NO_CACHE, task_run_name="logprobs[step={step}]")
 def logprobs(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
+    ctx.inject("logprobs", step, ctx.train_group)
     names = writes(ctx)  # never empty here: the training loop leaves the task out then
     ctx.train_group.run_sharded(forward_rows, meta, skip_empty=True, names=names)
     return meta.with_fields(*names)

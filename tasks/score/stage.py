@@ -204,6 +204,7 @@ def compute_scores(ctx: StageContext, meta: BatchMeta) -> Scores:
 
 @task(name="score", cache_policy=NO_CACHE, task_run_name="score[step={step}]")
 def score(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
+    ctx.inject("score", step, scoring_group(ctx))
     names = writes(ctx)
     # 0. Scored before a restart (a partition checkpointed in flight): nothing to redo.
     done = ctx.store.kv_list(meta.partition_id)

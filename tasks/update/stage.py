@@ -109,12 +109,27 @@ def update_rows(
     worker: ModelWorker,
     shard: BatchMeta,
     *,
+    step: int,
     fields: dict[str, str],
     actor: ActorUpdateSettings,
     critic: CriticUpdateSettings | None,
 ) -> dict[str, float]:
-    """Worker side: read my samples → one PPO update of the actor (and critic) → new policy
-    version. ``fields`` maps the store's field names to the names the update takes them under."""
+    """Worker side, at most once per step (``ModelWorker.once``): read my samples → one PPO
+    update of the actor (and critic) → new policy version. ``fields`` maps the store's field
+    names to the names the update takes them under."""
+    return worker.once(
+        f"update@{step}", lambda: _update(worker, shard, fields=fields, actor=actor, critic=critic)
+    )
+
+
+def _update(
+    worker: ModelWorker,
+    shard: BatchMeta,
+    *,
+    fields: dict[str, str],
+    actor: ActorUpdateSettings,
+    critic: CriticUpdateSettings | None,
+) -> dict[str, float]:
     batch = read_packed(worker, shard)
     data = worker.read(shard, tuple(fields))
     width = batch.response_mask.shape[1]
@@ -195,8 +210,10 @@ def update_step_settings(ctx: StageContext) -> dict[str, Any]:
 
 @task(name="update", cache_policy=NO_CACHE, task_run_name="update[step={step}]")
 def update(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
-    # 1. Every training worker updates on its shard (they normalise by global counts).
-    results = ctx.train_group.run_sharded(update_rows, meta, **update_step_settings(ctx))
+    ctx.inject("update", step, ctx.train_group)
+    # 1. Every training worker updates on its shard (they normalise by global counts), once per
+    # step: a retry gets the first attempt's result.
+    results = ctx.train_group.run_sharded(update_rows, meta, step=step, **update_step_settings(ctx))
     # 2. Metrics (losses summed over the workers' shares, the rest averaged), then weight sync.
     ctx.record(step, combine_worker_metrics(results))
     sync_rollout_weights(ctx)

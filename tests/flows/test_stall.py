@@ -23,7 +23,7 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(
     from tasks.context import StageContext
     from tasks.score.stage import score
 
-    cfg = load_config(None, ["store.get_timeout_s=0.3", "warmstart.enabled=false"])
+    cfg = load_config(None, ["store.get_timeout_s=0.3"])
     store = open_store("ray://test-stall?shards=1")
     pool = create_pool("stall", 1, accelerator="gpu_slot")
     spec = WorkerSpec(

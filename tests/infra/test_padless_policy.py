@@ -86,6 +86,7 @@ def test_a_padless_policy_generates_scores_and_updates(tmp_path: Path) -> None:
     metrics = worker.run(
         update_rows,
         samples,
+        step=0,
         fields={"advantages": "advantages"},
         actor=actor_settings(cfg, 1),
         critic=None,

@@ -110,6 +110,7 @@ def test_update_changes_the_actor_and_syncs_the_rollout_engine(worker: ModelWork
     metrics = worker.run(
         update_rows,
         samples,
+        step=0,
         fields={n: n for n in ("old_logprobs", "advantages", "values", "returns")},
         actor=actor_settings(worker.cfg, 1),
         critic=critic_settings(worker.cfg, 1),
@@ -196,7 +197,9 @@ def test_data_parallel_update_equals_one_worker(ray_local, assets) -> None:
                     "critic": None,
                 }
                 metrics.append(
-                    combine_worker_metrics(group.run_sharded(update_rows, samples, **kwargs))
+                    combine_worker_metrics(
+                        group.run_sharded(update_rows, samples, step=0, **kwargs)
+                    )
                 )
                 digests.append(group.call(ModelWorker.parameters_digest))
             finally:

@@ -1,0 +1,157 @@
+"""Injected faults (the ``faults`` config) are survived: a late reply to ``update``, a stage that
+raises and a worker that dies end with the weights of a fault-free run; without restarts left
+the run fails naming the dead worker; a flow process that exits mid-checkpoint resumes to the
+same weights (tiny config, real Prefect, real Ray)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_kill_resume import _env, _kill_everything_under
+
+from infra.config import load_config
+from infra.faults import EXIT_STATUS
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+STEPS = 4
+COMMON = [
+    f"trainer.total_steps={STEPS}",
+    "trainer.checkpoint_every=1",
+    "trainer.eval_every=100",
+    "orchestration.retry_delay_seconds=0",
+]
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(
+        run_dir
+        / "checkpoints"
+        / f"step-{STEPS - 1:06d}"
+        / "workers"
+        / "actor"
+        / "model.safetensors"
+    )
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    ref, got = _weights(a), _weights(b)
+    assert ref.keys() == got.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=0, atol=1e-6, msg=key)
+
+
+def _flow(overrides: list[str], run_dir: Path, *extra: str):
+    from flows.train import ppo_train
+
+    cfg = load_config(TINY, [*overrides, *COMMON, f"run_dir={run_dir}", *extra])
+    return ppo_train(cfg, return_state=True)
+
+
+@pytest.fixture(scope="module")
+def fault_free(prefect_harness, ray_local, assets, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("fault-free") / "run"
+    overrides = [
+        f"models.assets_dir={assets.root}",
+        "warmstart.enabled=false",
+        f"models.reward_model={assets.reward_model}",
+        "resources.num_cpus=4",
+    ]
+    state = _flow(overrides, run_dir)
+    assert state.is_completed(), state.message
+    return run_dir
+
+
+def test_a_late_reply_a_raising_stage_and_a_dead_worker_end_with_the_fault_free_weights(
+    fault_free: Path, tiny_overrides, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "faulty"
+    faults = (
+        "faults=["
+        "{stage: update, step: 1, action: delay, seconds: 8},"
+        "{stage: score, step: 2, action: raise},"
+        "{stage: update, step: 3, action: kill_worker}]"
+    )
+    state = _flow(
+        tiny_overrides, run_dir, faults, "orchestration.call_timeout_s=5", "trainer.max_restarts=1"
+    )
+    assert state.is_completed(), state.message
+    _assert_same_weights(fault_free, run_dir)
+    assert len(json.loads((run_dir / "faults-fired.json").read_text())) == 3  # each fired once
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))  # the killed step is logged once
+    assert rows[-1]["trainer/restarts"] == 1.0
+
+
+def test_a_dead_worker_with_no_restart_left_fails_the_run_naming_it(
+    fault_free: Path, tiny_overrides, tmp_path: Path
+) -> None:
+    state = _flow(
+        tiny_overrides,
+        tmp_path / "dies",
+        "faults=[{stage: update, step: 1, action: kill_worker}]",
+        "trainer.max_restarts=0",
+    )
+    assert state.is_failed()
+    message = state.message
+    assert "worker 0 of pool 'train'" in message and "update" in message, message
+    assert "at step 1" in message and "trainer.max_restarts=0" in message, message
+
+
+def test_a_bad_fault_entry_is_a_config_error_naming_faults() -> None:
+    from infra.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"faults\.0\.action"):
+        load_config(TINY, ["faults=[{stage: update, step: 1, action: explode}]"])
+    with pytest.raises(ConfigError, match=r"faults\.0.*seconds > 0"):
+        load_config(TINY, ["faults=[{stage: update, step: 1, action: delay}]"])
+
+
+@pytest.mark.slow
+def test_a_flow_process_that_exits_mid_checkpoint_resumes_to_the_same_weights(
+    fault_free: Path, assets, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "exits"
+    command = [
+        sys.executable, "-m", "flows.cli", "train", "--config", str(TINY),
+        f"models.assets_dir={assets.root}", "warmstart.enabled=false",
+        f"models.reward_model={assets.reward_model}", f"run_dir={run_dir}", "resources.num_cpus=2",
+        *COMMON, "faults=[{stage: checkpoint, step: 2, action: exit_flow}]",
+    ]  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="ef", dir="/tmp"))  # short: Ray's socket paths
+    env = _env(tmp)
+
+    def run(name: str) -> tuple[int, str]:
+        """The command's exit status and output; what an exited flow process leaves behind
+        (Ray's processes, which would hold a pipe open) is killed afterwards."""
+        log = tmp_path / f"{name}.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                code = proc.wait(timeout=600)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # its session: the Prefect server
+                _kill_everything_under(tmp)
+        return code, log.read_text()
+
+    code, output = run("first")
+    assert code == EXIT_STATUS, output[-3000:]
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints[-1] == "step-000002.tmp"  # the half-written one, never taken as latest
+    code, output = run("second")
+    assert code == 0, output[-3000:]
+    assert '"first_step": 2' in output, output[-2000:]
+    _assert_same_weights(fault_free, run_dir)
