@@ -11,7 +11,8 @@ take turns through a ``ColocatedGroup``: a role is put back to sleep when its bl
 when the compute raises. ``WorkerGroup`` (infra.group) runs workers as Ray actors in a pool.
 
 Data-parallel workers (``world_size > 1``) join a torch.distributed group (gloo on CPU, nccl on
-CUDA); the update step sums their gradients (each worker's loss is already divided by the
+CUDA) that meets on rank 0's node (``rendezvous_address``, ``join_group``), so they may run on
+different nodes; the update step sums their gradients (each worker's loss is already divided by the
 global token or sequence count, so N workers make the same update as one).
 """
 

@@ -198,11 +198,18 @@ def sync_rollout_weights(ctx: StageContext) -> None:
     ctx.rollout_group.call(ModelWorker.load_policy, state, version)
 
 
+def field_names(ctx: StageContext) -> dict[str, str]:
+    """The stored fields the update reads → the names it takes them under: the configured old
+    log-probs field (``TrainConfig.old_logprobs_field``) as ``old_logprobs``."""
+    old = ctx.cfg.old_logprobs_field
+    return {name: ("old_logprobs" if name == old else name) for name in reads(ctx)}
+
+
 def update_step_settings(ctx: StageContext) -> dict[str, Any]:
     """The keyword arguments of ``update_rows`` for this run."""
-    old, world = ctx.cfg.old_logprobs_field, ctx.train_group.size
+    world = ctx.train_group.size
     return {
-        "fields": {name: ("old_logprobs" if name == old else name) for name in reads(ctx)},
+        "fields": field_names(ctx),
         "actor": actor_settings(ctx.cfg, world),
         "critic": critic_settings(ctx.cfg, world) if ctx.cfg.algorithm.use_critic else None,
     }

@@ -104,16 +104,15 @@ def test_rollout_old_logprobs_replace_the_recompute_pass_in_every_reader(
     from tasks.context import StageContext
     from tasks.logprobs.stage import writes as logprob_writes
     from tasks.update.stage import reads as update_reads
-    from tasks.update.stage import update_fields
+    from tasks.update.stage import field_names
 
     cfg = load_config(None, [*overrides, "algorithm.old_logprobs=rollout"])
     ctx = StageContext(cfg=cfg, store=None, tokenizer=None, train_group=None)
     assert cfg.old_logprobs_field == "rollout_logprobs" and not cfg.recompute_old_logprobs
     assert "old_logprobs" not in logprob_writes(ctx)
     assert "rollout_logprobs" in update_reads(ctx) and "old_logprobs" not in update_reads(ctx)
-    data = {name: name for name in update_reads(ctx)}
-    fields = update_fields(ctx, data)
-    assert fields["old_logprobs"] == "rollout_logprobs" and "rollout_logprobs" not in fields
+    fields = field_names(ctx)  # stored name → the name the update takes it under
+    assert fields["rollout_logprobs"] == "old_logprobs" and "old_logprobs" not in fields
     kl = advantage_reads(cfg.algorithm, old_logprobs=cfg.old_logprobs_field)
     assert ("rollout_logprobs" in kl) is cfg.algorithm.use_reference
 
