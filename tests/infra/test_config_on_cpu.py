@@ -103,8 +103,8 @@ def test_rollout_old_logprobs_replace_the_recompute_pass_in_every_reader(
     from tasks.advantage.stage import reads as advantage_reads
     from tasks.context import StageContext
     from tasks.logprobs.stage import writes as logprob_writes
-    from tasks.update.stage import reads as update_reads
     from tasks.update.stage import field_names
+    from tasks.update.stage import reads as update_reads
 
     cfg = load_config(None, [*overrides, "algorithm.old_logprobs=rollout"])
     ctx = StageContext(cfg=cfg, store=None, tokenizer=None, train_group=None)

@@ -101,10 +101,14 @@ def test_two_data_parallel_workers_on_two_nodes_make_the_update_of_one(assets, t
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
         out = {int(k): v for k, v in json.loads(line[len("RESULT ") :]).items()}
-    # One worker per node, and the two replicas make the one-worker update.
+    # One worker per node; the two replicas stay identical and make the one-worker update: the
+    # same losses and gradient norm, and weights within what Adam's first step does to summation
+    # order (it divides each gradient element by its own size, so elements whose gradient sums
+    # to about zero move by a fraction of the learning rate that depends on the order).
     assert sorted(out[2]["nodes"]) == [HEAD, NODE]
     one, (two_a, two_b) = out[1]["digest"][0], out[2]["digest"]
     assert two_a == two_b
+    for key, value in out[1]["metrics"].items():
+        assert out[2]["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     for key in one:
-        assert one[key] == pytest.approx(two_a[key], rel=1e-5, abs=1e-5), key
-    assert out[2]["pg_loss"] == pytest.approx(out[1]["pg_loss"], rel=1e-5, abs=1e-7)
+        assert one[key] == pytest.approx(two_a[key], abs=2e-4), key

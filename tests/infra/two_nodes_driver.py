@@ -1,6 +1,7 @@
 """The driver of tests/infra/test_two_nodes.py, run inside the Ray head's network namespace:
 ``python two_nodes_driver.py ROOT POLICY TOKENIZER HEAD:PORT IFNAME``. Prints one ``RESULT {...}``
-line: per data-parallel size, the nodes its workers ran on, their weight digests and pg loss."""
+line: per data-parallel size, the nodes its workers ran on, their weight digests and the
+update's metrics. ``HEAD:PORT`` may be ``local``: one node with two slots."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def main(root: str, policy: str, tokenizer: str, address: str, ifname: str) -> d
     from tasks.update.stage import actor_settings, combine_worker_metrics, update_rows
 
     env = {"PYTHONPATH": root, "GLOO_SOCKET_IFNAME": ifname}
-    ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env})
+    if address == "local":  # one node with two slots: the same run without a second node
+        ray.init(address="local", num_cpus=4, resources={"gpu_slot": 2}, include_dashboard=False)
+    else:
+        ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": env})
     cfg = load_config(
         None,
         [
@@ -84,7 +88,7 @@ def main(root: str, policy: str, tokenizer: str, address: str, ifname: str) -> d
             )
         )
         digest = group.call(ModelWorker.parameters_digest)
-        out[size] = {"nodes": nodes, "digest": digest, "pg_loss": metrics["actor/pg_loss"]}
+        out[size] = {"nodes": nodes, "digest": digest, "metrics": metrics}
         group.shutdown()
         pool.release()
     store.close()
