@@ -1,26 +1,18 @@
 """Injected faults (the ``faults`` config) are survived: a late reply to ``update``, a stage that
 raises and a worker that dies end with the weights of a fault-free run; without restarts left
 the run fails naming the dead worker; a flow process that exits mid-checkpoint resumes to the
-same weights (tiny config, real Prefect, real Ray)."""
+same weights (tests/flows/test_kill_resume.py; tiny config, real Prefect, real Ray)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_kill_resume import _env, _kill_everything_under
 
 from infra.config import load_config
-from infra.faults import EXIT_STATUS
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -115,43 +107,3 @@ def test_a_bad_fault_entry_is_a_config_error_naming_faults() -> None:
         load_config(TINY, ["faults=[{stage: update, step: 1, action: explode}]"])
     with pytest.raises(ConfigError, match=r"faults\.0.*seconds > 0"):
         load_config(TINY, ["faults=[{stage: update, step: 1, action: delay}]"])
-
-
-@pytest.mark.slow
-def test_a_flow_process_that_exits_mid_checkpoint_resumes_to_the_same_weights(
-    fault_free: Path, assets, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "exits"
-    command = [
-        sys.executable, "-m", "flows.cli", "train", "--config", str(TINY),
-        f"models.assets_dir={assets.root}", "warmstart.enabled=false",
-        f"models.reward_model={assets.reward_model}", f"run_dir={run_dir}", "resources.num_cpus=2",
-        *COMMON, "faults=[{stage: checkpoint, step: 2, action: exit_flow}]",
-    ]  # fmt: skip
-    tmp = Path(tempfile.mkdtemp(prefix="ef", dir="/tmp"))  # short: Ray's socket paths
-    env = _env(tmp)
-
-    def run(name: str) -> tuple[int, str]:
-        """The command's exit status and output; what an exited flow process leaves behind
-        (Ray's processes, which would hold a pipe open) is killed afterwards."""
-        log = tmp_path / f"{name}.log"
-        with log.open("w") as out:
-            proc = subprocess.Popen(
-                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                code = proc.wait(timeout=600)
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # its session: the Prefect server
-                _kill_everything_under(tmp)
-        return code, log.read_text()
-
-    code, output = run("first")
-    assert code == EXIT_STATUS, output[-3000:]
-    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert checkpoints[-1] == "step-000002.tmp"  # the half-written one, never taken as latest
-    code, output = run("second")
-    assert code == 0, output[-3000:]
-    assert '"first_step": 2' in output, output[-2000:]
-    _assert_same_weights(fault_free, run_dir)

@@ -1,5 +1,6 @@
-"""A run SIGKILLed in the middle of an iteration and resumed ends with the same weights as an
-uninterrupted run with the same seed (CPU, real subprocesses, real Ray and Prefect)."""
+"""A run SIGKILLed in the middle of an iteration, and a run whose flow process exits in the middle
+of writing a checkpoint (the `faults` entry `exit_flow`), each resumed, end with the same weights
+as an uninterrupted run with the same seed (CPU, real subprocesses, real Ray and Prefect)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from infra.faults import EXIT_STATUS
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 
 
-def _command(assets, run_dir: Path) -> list[str]:
+def _command(assets, run_dir: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
         f"models.assets_dir={assets.root}", "warmstart.enabled=false", f"run_dir={run_dir}",
         f"models.reward_model={assets.reward_model}",
         f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2", "trainer.eval_every=100",
-        "resources.num_cpus=2",
+        "resources.num_cpus=2", *extra,
     ]  # fmt: skip
 
 
@@ -98,9 +101,42 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(
         assert '"first_step": 2' in done.stdout or '"first_step": 4' in done.stdout, done.stdout[
             -2000:
         ]
-        ref, got = _final_weights(ref_dir), _final_weights(run_dir)
-        assert ref.keys() == got.keys()
-        for key in ref:
-            assert torch.equal(ref[key], got[key]), key
+        _assert_same_weights(ref_dir, run_dir)
+        # 4. The flow process exits while the step-3 checkpoint is half written; the rerun
+        # resumes from step 1's checkpoint, never from the half-written one.
+        exit_dir = tmp_path / "exited"
+        fault = "faults=[{stage: checkpoint, step: 3, action: exit_flow}]"
+        code, output = _run_to_exit(_command(assets, exit_dir, fault), _env(tmp), tmp, tmp_path)
+        assert code == EXIT_STATUS, output[-3000:]
+        names = sorted(p.name for p in (exit_dir / "checkpoints").iterdir())
+        assert names == ["step-000001", "step-000003.tmp"], names
+        code, output = _run_to_exit(_command(assets, exit_dir, fault), _env(tmp), tmp, tmp_path)
+        assert code == 0, output[-3000:]
+        assert '"first_step": 2' in output, output[-2000:]
+        _assert_same_weights(ref_dir, exit_dir)
     finally:
         _kill_everything_under(tmp)
+
+
+def _assert_same_weights(ref_dir: Path, run_dir: Path) -> None:
+    ref, got = _final_weights(ref_dir), _final_weights(run_dir)
+    assert ref.keys() == got.keys()
+    for key in ref:
+        assert torch.equal(ref[key], got[key]), key
+
+
+def _run_to_exit(command: list[str], env: dict[str, str], tmp: Path, logs: Path) -> tuple[int, str]:
+    """The command's exit status and output. Output goes to a file, not a pipe: the processes an
+    exited flow process leaves behind (Ray's) would hold a pipe open; they are killed after."""
+    log = logs / f"run-{len(list(logs.glob('run-*.log')))}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            _kill_everything_under(tmp)
+    return code, log.read_text()
