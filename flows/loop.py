@@ -242,6 +242,7 @@ class Trainer:
         timing["timing_s/step"] = time.perf_counter() - t_step
         tokens = self.ctx.metrics[step].get("perf/total_num_tokens")  # logged by the score task
         if tokens is not None:
+            timing["perf/total_num_tokens"] = tokens
             timing["perf/throughput"] = tokens / timing["timing_s/step"]
         return timing
 

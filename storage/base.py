@@ -42,6 +42,14 @@ def check_partition_id(partition_id: str) -> str:
     return partition_id
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_keys(keys: Sequence[str], partition_id: str) -> list[str]:
     """Keys as a list of distinct str; SchemaError otherwise."""
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
@@ -52,6 +60,14 @@ def check_keys(keys: Sequence[str], partition_id: str) -> list[str]:
     if set(map(type, keys)) - {str}:
         bad = [key for key in keys if type(key) is not str]
         raise SchemaError(f"partition {partition_id!r}: keys must be str, got {preview(bad)}")
+    try:
+        "".join(keys).encode()  # one check for all keys (UTF-8 refuses any surrogate)
+    except UnicodeEncodeError:
+        bad = [key for key in keys if not _is_utf8(key)]
+        raise SchemaError(
+            f"partition {partition_id!r}: keys must be valid UTF-8 text, got {preview(bad)} "
+            "(lone surrogates); give each sample a key without them"
+        ) from None
     if len(set(keys)) != len(keys):
         seen: set[str] = set()
         repeated = []
@@ -81,6 +97,12 @@ def check_select(select_fields: Sequence[str] | None, partition_id: str) -> list
 
 
 def check_specs(specs: Mapping[str, FieldSpec], partition_id: str) -> dict[str, FieldSpec]:
+    """The specs as a dict of non-empty str -> FieldSpec; SchemaError otherwise."""
+    if not isinstance(specs, Mapping):
+        raise SchemaError(
+            f"partition {partition_id!r}: declare takes a mapping of field name to FieldSpec, "
+            f"got {type(specs).__name__}"
+        )
     bad = {name: spec for name, spec in specs.items() if not isinstance(spec, FieldSpec)}
     if bad or any(not isinstance(name, str) or not name for name in specs):
         raise SchemaError(
@@ -136,6 +158,8 @@ class Store(ABC):
     ) -> BatchMeta:
         """Stores one row per key of each field, atomically; returns the batch's handle.
 
+        A field's first put (or declare) fixes its spec in the whole partition.
+
         Raises:
             SchemaError: bad keys, kinds, dtypes, shapes or row counts (nothing is stored).
             ConflictError: a key already holds different content for a field and not overwrite.
@@ -153,7 +177,8 @@ class Store(ABC):
 
         Waits for keys and fields not yet stored, up to `timeout` seconds (None: the store's
         default; 0: check once). `select_fields=None` waits for every key to exist and returns
-        the fields all of them hold.
+        the fields all of them hold; `select_fields=[]` waits for nothing and returns no fields,
+        whether or not the keys or the partition exist.
 
         Raises:
             StoreTimeout: something was still missing when the timeout passed.
@@ -161,7 +186,11 @@ class Store(ABC):
 
     @abstractmethod
     def kv_list(self, partition_id: str) -> dict[str, list[str]]:
-        """`{key: [fields it holds]}` of a partition ({} if it does not exist)."""
+        """`{key: [fields it holds]}` of a partition ({} if it does not exist).
+
+        Raises:
+            SchemaError: `partition_id` is not a non-empty str.
+        """
 
     @abstractmethod
     def kv_clear(self, partition_id: str, keys: Sequence[str] | None = None) -> int:

@@ -221,8 +221,18 @@ def rows_equal(a: Column, b: Column) -> BoolArray:
             )
     if a.spec.kind == "object" and not same.all():
         for i in np.flatnonzero(~same).tolist():  # same JSON value, other bytes (dict key order)
-            same[i] = decode_objects(a.slice(i, i + 1)) == decode_objects(b.slice(i, i + 1))
+            same[i] = _canonical(a.slice(i, i + 1)) == _canonical(b.slice(i, i + 1))
     return same
+
+
+def _canonical(column: Column) -> str:
+    """The JSON text of a one-row object column with dict keys sorted.
+
+    Equal texts are equal JSON values: unlike Python's `==`, this tells 1, 1.0 and true apart,
+    and 0.0 from -0.0.
+    """
+    (value,) = decode_objects(column)
+    return json.dumps(value, sort_keys=True)
 
 
 def encode_objects(rows: Sequence[Any]) -> Column:

@@ -5,8 +5,12 @@ Accepted put values, per field kind:
 - dense: a tensor whose first dim is the batch;
 - jagged: a `torch.jagged` nested tensor, or a list of 1-D tensors (one per sample);
 - object: a list (or tensordict `NonTensorStack`) of JSON-like values: str, int, float, bool,
-  None, lists and str-keyed dicts of those (tuples and other types are refused, since they
-  would not come back as they went in).
+  None, lists and str-keyed dicts of those, nested at most `MAX_DEPTH` deep, whose JSON text is
+  valid UTF-8 (tuples, other types and lone surrogates are refused, since they would not come
+  back as they went in).
+
+Tensors must be strided (dense, not sparse) and hold data that can be copied to the CPU (no
+`meta` tensors).
 
 A get returns a TensorDict with `batch_size=[len(keys)]`: dense fields as tensors, jagged fields
 as `torch.jagged` nested tensors built over the gathered values buffer (`.offsets().diff()` gives
@@ -26,6 +30,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from storage.columnar import (
+    AnyArray,
     Column,
     decode_objects,
     empty_column,
@@ -34,7 +39,7 @@ from storage.columnar import (
 )
 from storage.columnar import tensor_from_numpy as _tensor
 from storage.errors import SchemaError
-from storage.schema import FieldSpec
+from storage.schema import FieldSpec, Kind
 
 try:  # NJT's public accessors dispatch through __torch_function__ (20-140 us each on torch 2.13);
     # the class's own attributes and constructor are ~100x faster. The public API is the fallback.
@@ -48,39 +53,81 @@ _new_unsafe = getattr(TensorDict, "_new_unsafe", None)  # the unchecked construc
 
 SpecLookup = Callable[[str], FieldSpec | None]
 _JSON_SCALARS = (str, int, float)
+MAX_DEPTH = 100  # lists and dicts an object value may nest, one inside the other
 
 
 def _where(partition_id: str, name: str) -> str:
     return f"partition {partition_id!r}, field {name!r}"
 
 
-def _json_problem(value: Any, path: str) -> str | None:
-    """None if `value` is JSON-like and comes back unchanged from JSON; else what is wrong."""
+def _json_problem(value: Any, row: int, path: str = "", depth: int = 0) -> str | None:
+    """None if `value` (row `row`, at `path` in it) is JSON-like and comes back unchanged from
+    JSON; else what is wrong."""
     if value is None or isinstance(value, _JSON_SCALARS):
         return None
-    if type(value) is list:
+    is_list = type(value) is list
+    if (is_list or type(value) is dict) and depth == MAX_DEPTH:
+        return f"row {row} nests lists and dicts more than {MAX_DEPTH} deep"
+    if is_list:
         for i, item in enumerate(value):
-            problem = _json_problem(item, f"{path}[{i}]")
+            problem = _json_problem(item, row, f"{path}[{i}]", depth + 1)
             if problem:
                 return problem
         return None
     if type(value) is dict:
         for key, item in value.items():
             if not isinstance(key, str):
-                return f"{path} has a non-str key {key!r}"
-            problem = _json_problem(item, f"{path}[{key!r}]")
+                return f"row {row}{path} has a non-str key {key!r}"
+            problem = _json_problem(item, row, f"{path}[{key!r}]", depth + 1)
             if problem:
                 return problem
         return None
-    return f"{path} is a {type(value).__name__} (use str, int, float, bool, None, list or dict)"
+    return (
+        f"row {row}{path} is a {type(value).__name__} (use str, int, float, bool, None, list "
+        "or dict)"
+    )
 
 
 def _objects(rows: Sequence[Any], where: str) -> Column:
     for i, row in enumerate(rows):
-        problem = _json_problem(row, f"row {i}")
+        problem = _json_problem(row, i)
         if problem:
             raise SchemaError(f"{where}: object values must be JSON-like; {problem}")
-    return encode_objects(rows)
+    try:
+        return encode_objects(rows)
+    except ValueError:  # a str with a lone surrogate (not UTF-8), an int too long for text
+        for i, row in enumerate(rows):
+            try:
+                encode_objects([row])
+            except ValueError as exc:
+                raise SchemaError(
+                    f"{where}: object row {i} cannot be stored as UTF-8 JSON "
+                    f"({type(exc).__name__}: {exc}); fix or drop that value"
+                ) from None
+        raise
+
+
+def _spec(kind: Kind, dtype: torch.dtype, where: str, shape: tuple[int, ...] = ()) -> FieldSpec:
+    """The spec of a tensor value; SchemaError naming the field for an unsupported dtype."""
+    try:
+        return FieldSpec(kind, dtype, shape)
+    except SchemaError as exc:
+        raise SchemaError(f"{where}: {exc}") from None
+
+
+def _array(tensor: torch.Tensor, where: str) -> AnyArray:
+    """A numpy view (or CPU copy) of a tensor's data; SchemaError for sparse or meta tensors."""
+    if tensor.layout != torch.strided:
+        raise SchemaError(
+            f"{where}: only strided tensors are stored, got a {tensor.layout} tensor; convert it "
+            "with .to_dense() first"
+        )
+    if tensor.device.type == "meta":
+        raise SchemaError(
+            f"{where}: a tensor on the meta device holds no data; put one on the CPU or an "
+            "accelerator"
+        )
+    return numpy_from_tensor(tensor)
 
 
 def _jagged_from_njt(value: Any, where: str) -> Column:
@@ -95,14 +142,15 @@ def _jagged_from_njt(value: Any, where: str) -> Column:
         raise SchemaError(
             f"{where}: jagged rows must be 1-D, got a nested tensor of rows {tuple(values.shape[1:])}"
         )
+    spec = _spec("jagged", values.dtype, where)
     if holes is not None:  # a view with holes: copy its rows out
         return _jagged_from_rows(list(value.unbind()), where)
-    array = numpy_from_tensor(values)
-    bounds = numpy_from_tensor(offsets).astype(np.int64, copy=False)
+    array = _array(values, where)
+    bounds = _array(offsets, where).astype(np.int64, copy=False)
     start, stop = int(bounds[0]), int(bounds[-1])
     if start or stop != array.shape[0]:
         array, bounds = array[start:stop], bounds - start
-    return Column(FieldSpec.jagged(values.dtype), array, bounds)
+    return Column(spec, array, bounds)
 
 
 def _jagged_from_rows(rows: Sequence[torch.Tensor], where: str) -> Column:
@@ -113,10 +161,11 @@ def _jagged_from_rows(rows: Sequence[torch.Tensor], where: str) -> Column:
                 f"{where}: jagged rows must be 1-D tensors of one dtype; row 0 is {dtype}, "
                 f"row {i} is {row.dtype} of shape {tuple(row.shape)}"
             )
+    spec = _spec("jagged", dtype, where)
     offsets = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(np.fromiter((row.shape[0] for row in rows), np.int64, len(rows)), out=offsets[1:])
-    values = np.concatenate([numpy_from_tensor(row) for row in rows])
-    return Column(FieldSpec.jagged(dtype), values, offsets, owned=True)
+    values = np.concatenate([_array(row, where) for row in rows])
+    return Column(spec, values, offsets, owned=True)
 
 
 def _from_list(value: Sequence[Any], expected: FieldSpec | None, where: str) -> Column:
@@ -143,8 +192,8 @@ def _to_column(value: Any, expected: FieldSpec | None, where: str) -> Column:
             return _jagged_from_rows(list(value.unbind()), where)
         if value.dim() == 0:
             raise SchemaError(f"{where}: a dense field needs the batch as first dim, got a scalar")
-        spec = FieldSpec.dense(value.dtype, tuple(value.shape[1:]))
-        return Column(spec, numpy_from_tensor(value))
+        spec = _spec("dense", value.dtype, where, tuple(value.shape[1:]))
+        return Column(spec, _array(value, where))
     if isinstance(value, (NonTensorStack, NonTensorData)):
         value = value.tolist()
     if isinstance(value, (list, tuple)):

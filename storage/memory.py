@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from tensordict import TensorDict
 
 from storage.base import (
@@ -33,7 +32,7 @@ from storage.base import (
 from storage.convert import to_columns, to_tensordict
 from storage.errors import StoreError, preview
 from storage.meta import BatchMeta
-from storage.partition import ANY_FIELD, Found, Partition, PartitionDump
+from storage.partition import Partition, PartitionDump
 from storage.schema import FieldSpec, registered_spec
 
 
@@ -47,12 +46,6 @@ class _State:
 
 _named: dict[str, _State] = {}
 _named_lock = threading.Lock()
-
-
-def missing_everything(n_keys: int, fields: Sequence[str] | None) -> Found:
-    """What a get misses in a partition that does not exist yet."""
-    every = np.ones(n_keys, np.bool_)
-    return Found(missing={name: every for name in (fields or [ANY_FIELD])})
 
 
 class MemoryStore(Store):
@@ -104,8 +97,8 @@ class MemoryStore(Store):
         start = time.monotonic()
         with self._state.cond:
             while True:
-                part = self._state.parts.get(partition_id)
-                found = part.find(keys, fields) if part else missing_everything(len(keys), fields)
+                part = self._state.parts.get(partition_id) or Partition(partition_id)
+                found = part.find(keys, fields)  # a missing partition finds what an empty one does
                 remaining = start + budget - time.monotonic()
                 if not found.missing:
                     break
@@ -116,6 +109,7 @@ class MemoryStore(Store):
         return to_tensordict(columns, len(keys))
 
     def kv_list(self, partition_id: str) -> dict[str, list[str]]:
+        check_partition_id(partition_id)
         with self._state.cond:
             part = self._state.parts.get(partition_id)
             return part.listing() if part else {}

@@ -123,6 +123,8 @@ class FieldIndex:
         return Located(self.spec, [c for c in chunks if c is not None], local, rows)
 
     def write(self, ids: IntArray, column: Column) -> None:
+        if ids.size == 0:  # nothing to point at the chunk: keep none
+            return
         self._release(ids)
         self.chunks.append(column)
         self.live.append(int(ids.size))
@@ -149,6 +151,9 @@ class Partition:
     def __init__(self, partition_id: str) -> None:
         self.partition_id = partition_id
         self.specs: dict[str, FieldSpec] = {}
+        # Fields whose spec is fixed on every shard of a Ray store (kept by `storage.ray_shard`;
+        # the embedded store, which holds the whole partition in one place, leaves it empty).
+        self.everywhere: set[str] = set()
         self.fields: dict[str, FieldIndex] = {}
         self.key_ids: dict[str, int] = {}
         self._free: list[int] = []

@@ -16,6 +16,10 @@ Either way data crosses processes as numpy buffers plus JSON headers (`storage.w
 pickled Python objects. A put touching one shard is one request; one spanning shards is two-phase
 (every shard validates and stages, then all commit), so a failed put changes nothing, and a
 concurrent put to the same keys and fields fails fast with ConflictError instead of deadlocking.
+A field's spec holds partition-wide: a two-phase put is prepared on every shard of the store,
+those without its keys checking and fixing the specs only; a one-shard put is applied at once
+only when its fields' specs are already fixed on every shard, and otherwise comes back unapplied
+and goes through every shard (`storage.ray_shard`).
 A get waits inside each shard on an asyncio.Condition that puts notify (event-driven); the client
 waits on every reply with the remaining timeout, and every wait is bounded. Only this module and
 `storage.ray_links` import Ray.
@@ -47,7 +51,7 @@ from storage.base import (
 )
 from storage.channel import ChannelClosed
 from storage.columnar import BoolArray, Column, IntArray, concat, empty_column, gather
-from storage.convert import to_columns, to_tensordict
+from storage.convert import SpecLookup, to_columns, to_tensordict
 from storage.errors import SchemaError, StoreError, StoreTimeout
 from storage.meta import BatchMeta
 from storage.partition import PartitionDump
@@ -244,20 +248,41 @@ class RayStore(Store):
     ) -> BatchMeta:
         check_partition_id(partition_id)
         keys = check_keys(keys, partition_id)
-        columns = to_columns(fields, len(keys), partition_id, registered_spec)
+        columns = to_columns(fields, len(keys), partition_id, self._expected(partition_id, keys))
         self._check_open()
-        out = Outgoing(partition_id, keys, columns, self._route(keys), overwrite)
+        meta = BatchMeta(partition_id, tuple(keys), tuple(columns))
+        n_shards = len(self._shards)
+        out = Outgoing(partition_id, keys, columns, self._route(keys), overwrite, n_shards > 1)
         if len(out.routes) == 1:
             ((s, _),) = out.routes.items()
-            self._settle({s: self._links[s].put(out, s)}, partition_id)
-        else:
-            ttl = self._rpc_timeout * 2
+            reply = self._links[s].put(out, s).result(self._rpc_timeout, partition_id)
+            reply.release()
+            if not reply.header.get("spread"):
+                return meta
+        # every shard prepares it: those without its keys check and fix the fields' specs
+        nothing = np.zeros(0, np.int64)
+        out.routes = {s: out.routes.get(s, nothing) for s in range(n_shards)}
+        ttl = self._rpc_timeout * 2
 
-            def stage(s: int, txn: str) -> Pending:
-                return self._links[s].prepare(txn, out, s, ttl)
+        def stage(s: int, txn: str) -> Pending:
+            return self._links[s].prepare(txn, out, s, ttl)
 
-            self._two_phase(stage, list(out.routes), partition_id)
-        return BatchMeta(partition_id, tuple(keys), tuple(columns))
+        self._two_phase(stage, list(out.routes), partition_id)
+        return meta
+
+    def _expected(self, partition_id: str, keys: Sequence[str]) -> SpecLookup:
+        """Where a put's values find the spec they must have.
+
+        Rows say their spec, but zero rows may not (`[]`): for a put of no keys, the partition's
+        specs are read from shard 0 (which holds every spec fixed in the partition).
+        """
+        if keys:
+            return registered_spec
+        (reply,) = self._replies(
+            [self._shards[0].specs.remote(partition_id)], self._rpc_timeout, "put", partition_id
+        )
+        fixed = {name: FieldSpec.from_json(spec) for name, spec in json.loads(reply).items()}
+        return lambda name: fixed.get(name) or registered_spec(name)
 
     def kv_batch_get(
         self,
@@ -335,6 +360,7 @@ class RayStore(Store):
         return merged
 
     def kv_list(self, partition_id: str) -> dict[str, list[str]]:
+        check_partition_id(partition_id)
         refs = [shard.listing.remote(partition_id) for shard in self._shards]
         listing: dict[str, list[str]] = {}
         for reply in self._replies(refs, self._rpc_timeout, "kv_list", partition_id):

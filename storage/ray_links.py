@@ -56,14 +56,21 @@ def pick(keys: list[str], rows: IntArray) -> list[str]:
 
 @dataclass
 class Outgoing:
-    """One put as the links send it: the batch, the rows of each shard, and its Ray copy."""
+    """One put as the links send it: the batch, the rows of each shard, and its Ray copies.
+
+    A shard whose route is empty gets the fields as columns of zero rows (their specs only).
+    `solo`: a one-shard put to a store of several shards, which the shard applies only when
+    every field's spec is already fixed on every shard (else it answers `{"spread": true}`).
+    """
 
     partition_id: str
     keys: list[str]
     columns: dict[str, Column]
-    routes: dict[int, IntArray]  # shard -> positions of its keys (sorted)
+    routes: dict[int, IntArray]  # shard -> positions of its keys (sorted; maybe none)
     overwrite: bool
+    solo: bool = False
     _payload: Any = field(default=None, repr=False)
+    _no_rows: Any = field(default=None, repr=False)
 
     def columns_of(self, shard: int) -> dict[str, Column]:
         rows = self.routes[shard]
@@ -71,13 +78,22 @@ class Outgoing:
             return self.columns
         return {name: column.take(rows) for name, column in self.columns.items()}
 
-    def payload(self) -> Any:
-        """The whole batch in Ray's object store, placed once for every shard that reads it."""
+    def payload(self, shard: int) -> Any:
+        """What a shard reads its rows from in Ray's object store: the whole batch, placed once
+        for every shard that has rows in it, or the fields' zero-row columns."""
+        if self.routes[shard].size == 0 and self.keys:
+            if self._no_rows is None:
+                self._no_rows = self._place(self.columns_of(shard))
+            return self._no_rows
         if self._payload is None:
-            arrays: list[AnyArray] = []
-            header = {"fields": pack_columns(self.columns, arrays)}
-            self._payload = ray.put(message(header, arrays))
+            self._payload = self._place(self.columns)
         return self._payload
+
+    @staticmethod
+    def _place(columns: dict[str, Column]) -> Any:
+        arrays: list[AnyArray] = []
+        header = {"fields": pack_columns(columns, arrays)}
+        return ray.put(message(header, arrays))
 
 
 @dataclass
@@ -159,12 +175,13 @@ class RayLink:
     def put(self, out: Outgoing, shard: int) -> Pending:
         rows = out.routes[shard]
         keys = keys_blob(pick(out.keys, rows))
-        ref = self.actor.put.remote(out.partition_id, keys, rows, out.payload(), out.overwrite)
+        payload = out.payload(shard)
+        ref = self.actor.put.remote(out.partition_id, keys, rows, payload, out.overwrite, out.solo)
         return self._call("put", ref)
 
     def prepare(self, txn: str, out: Outgoing, shard: int, ttl: float) -> Pending:
         rows = out.routes[shard]
-        args = (out.partition_id, keys_blob(pick(out.keys, rows)), rows, out.payload())
+        args = (out.partition_id, keys_blob(pick(out.keys, rows)), rows, out.payload(shard))
         return self._call("prepare", self.actor.prepare.remote(txn, *args, out.overwrite, ttl))
 
     def commit(self, txn: str) -> Pending:
@@ -279,7 +296,7 @@ class LocalLink:
 
     def put(self, out: Outgoing, shard: int) -> Pending:
         header, arrays = self._put_header(out, shard)
-        return self._send("put", header, arrays)
+        return self._send("put", {**header, "solo": out.solo}, arrays)
 
     def prepare(self, txn: str, out: Outgoing, shard: int, ttl: float) -> Pending:
         header, arrays = self._put_header(out, shard)

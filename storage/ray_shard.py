@@ -13,6 +13,13 @@ A shard answers two ways, on the same state (guarded by one `threading.Condition
 Store errors travel as error headers and are re-raised typed by the client. A get waits on the
 condition, which every commit notifies; a staged (prepared) put holds its own copy of the rows,
 since the arena it came in is reused by the next request.
+
+A field's spec holds partition-wide: a multi-shard put is prepared on every shard (those without
+its keys validate and fix only the specs), and so is a declare. A shard records in
+`Partition.everywhere` the fields whose spec such a put, declare or load fixed on every shard; a
+one-shard put (`solo`) is applied at once only when all its fields are there (or in the shared
+vocabulary), and otherwise answers `{"spread": true}`, changing nothing, so that the client
+sends it through every shard.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from storage.channel import Header, Server, new_address, serve
 from storage.columnar import Column, IntArray
 from storage.errors import ConflictError, SchemaError, StoreError, preview
 from storage.partition import Found, Partition, PartitionDump, PutPlan
-from storage.schema import FieldSpec
+from storage.schema import FieldSpec, registered_spec
 from storage.shm import Arena, ArenaError
 from storage.wire import (
     Message,
@@ -208,13 +215,28 @@ class StoreShard:
                     )
 
     def _put_now(
-        self, partition_id: str, keys: list[str], columns: dict[str, Column], overwrite: bool
-    ) -> None:
-        """Validates and stores a one-shard put (copying what it keeps); wakes waiting gets."""
+        self,
+        partition_id: str,
+        keys: list[str],
+        columns: dict[str, Column],
+        overwrite: bool,
+        solo: bool,
+    ) -> Header:
+        """Validates and stores a one-shard put (copying what it keeps); wakes waiting gets.
+
+        With `solo` (a store of several shards), a put with a field whose spec is not known to be
+        fixed on every shard changes nothing and answers `{"spread": True}`.
+        """
         with self._changed:
+            if solo:
+                part = self._parts.get(partition_id)
+                shared = part.everywhere if part is not None else set()
+                if any(n not in shared and registered_spec(n) is None for n in columns):
+                    return {"spread": True}
             plan = self._plan(partition_id, keys, columns, overwrite)
             self._parts.setdefault(partition_id, Partition(partition_id)).apply(plan)
             self._wake()
+        return {"ok": True}
 
     def _prepare_now(
         self,
@@ -225,13 +247,19 @@ class StoreShard:
         overwrite: bool,
         ttl: float,
     ) -> None:
-        """Validates this shard's part of a multi-shard put and stages it for `commit`."""
+        """Validates this shard's part of a multi-shard put and stages it for `commit`.
+
+        Every shard prepares such a put (with no keys, a shard checks and fixes only the specs),
+        so on commit its fields' specs are fixed everywhere.
+        """
         with self._changed:
             plan = self._plan(partition_id, keys, columns, overwrite)
             parts = self._parts
 
             def apply() -> None:
-                parts.setdefault(plan.partition_id, Partition(plan.partition_id)).apply(plan)
+                part = parts.setdefault(plan.partition_id, Partition(plan.partition_id))
+                part.apply(plan)
+                part.everywhere.update(columns)
 
             self._staged[txn] = _Staged(apply, time.monotonic() + ttl, plan)
 
@@ -243,16 +271,21 @@ class StoreShard:
         return {name: column.take(rows) for name, column in columns.items()}
 
     async def put(
-        self, partition_id: str, keys: bytes, rows: IntArray, payload: Message, overwrite: bool
+        self,
+        partition_id: str,
+        keys: bytes,
+        rows: IntArray,
+        payload: Message,
+        overwrite: bool,
+        solo: bool = False,
     ) -> Message:
-        """A one-shard put: validate and apply at once."""
+        """A one-shard put: validate and apply at once (see `_put_now` for `solo`)."""
         self._count("put:object_store")
         try:
             columns = self._message_columns(payload, rows)
-            self._put_now(partition_id, json.loads(keys), columns, overwrite)
+            return message(self._put_now(partition_id, json.loads(keys), columns, overwrite, solo))
         except StoreError as exc:
             return error_message(exc)
-        return message({"ok": True})
 
     async def prepare(
         self,
@@ -278,6 +311,8 @@ class StoreShard:
         try:
             header, arrays = open_message(payload)
             restored = [Partition.restore(dump_from(h, arrays)) for h in header["dumps"]]
+            for part in restored:  # every shard loads every spec of a partition
+                part.everywhere.update(part.specs)
             with self._changed:
                 taken = [p.partition_id for p in restored if p.partition_id in self._parts]
                 if taken and not replace:
@@ -301,7 +336,9 @@ class StoreShard:
                 (self._parts.get(partition_id) or Partition(partition_id)).new_specs(parsed)
 
                 def apply() -> None:
-                    self._parts.setdefault(partition_id, Partition(partition_id)).declare(parsed)
+                    part = self._parts.setdefault(partition_id, Partition(partition_id))
+                    part.declare(parsed)
+                    part.everywhere.update(parsed)  # every shard declares it
 
                 self._staged[txn] = _Staged(apply, time.monotonic() + ttl)
         except StoreError as exc:
@@ -417,8 +454,8 @@ class StoreShard:
 
     def _local_put(self, request: Header, arena: Arena) -> Header:
         columns = self._arena_columns(request, arena)  # apply copies the rows it keeps
-        self._put_now(request["partition"], request["keys"], columns, request["overwrite"])
-        return {"ok": True}
+        partition_id, keys, overwrite = request["partition"], request["keys"], request["overwrite"]
+        return self._put_now(partition_id, keys, columns, overwrite, bool(request.get("solo")))
 
     def _local_prepare(self, request: Header, arena: Arena) -> Header:
         # a staged put outlives this message, so it holds its own copy of the rows
@@ -460,6 +497,13 @@ class StoreShard:
                 del self._parts[partition_id]
                 return len(part.key_ids)
             return part.drop(json.loads(keys))
+
+    async def specs(self, partition_id: str) -> bytes:
+        """The field specs fixed in a partition here, as JSON ({} if it does not exist)."""
+        with self._changed:
+            part = self._parts.get(partition_id)
+            specs = dict(part.specs) if part else {}
+        return json.dumps({name: spec.to_json() for name, spec in specs.items()}).encode()
 
     async def partitions(self) -> bytes:
         with self._changed:

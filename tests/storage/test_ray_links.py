@@ -120,6 +120,28 @@ def test_shards_on_this_node_are_reached_through_shared_memory(ray_store: Store,
     assert not [verb for verb in served if verb.endswith(":object_store")]
 
 
+@pytest.mark.parametrize("fixture", STORES)
+def test_a_one_shard_put_is_one_request_once_its_specs_hold_on_every_shard(
+    fixture: str, pid: str, request: pytest.FixtureRequest
+) -> None:
+    """The first put of a field goes through every shard (fixing its spec there); later
+    one-shard puts of it are one request to that shard."""
+    store = request.getfixturevalue(fixture)
+    keys = [f"k{i}" for i in range(20)]
+    owner = shard_of(keys, 2).tolist()
+    left = [key for key, s in zip(keys, owner) if s == 0][:2]
+    right = [key for key, s in zip(keys, owner) if s == 1][:1]
+    path = "shm" if fixture == "ray_store" else "object_store"
+    before = _counts(store)
+    store.kv_batch_put(left[:1], pid, {"pp_new": torch.zeros(1)})  # refused by shard 0, then 2PC
+    store.kv_batch_put(left[1:], pid, {"pp_new": torch.ones(1)})
+    store.kv_batch_put(right, pid, {"pp_new": torch.full((1,), 2.0)})
+    served = _counts(store) - before
+    assert served[f"put:{path}"] == 3 and served[f"prepare:{path}"] == 2
+    got = store.kv_batch_get([*left, *right], pid, ["pp_new"], timeout=5)["pp_new"]
+    assert got.tolist() == [0.0, 1.0, 2.0]
+
+
 def test_the_object_store_path_is_used_when_forced(ray_object_store: Store, pid: str) -> None:
     assert isinstance(ray_object_store, RayStore)
     assert ray_object_store.transports == ["object_store", "object_store"]
