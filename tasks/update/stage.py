@@ -20,7 +20,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from torch import Tensor
 
-from infra.config import TrainConfig
+from infra.config import OptimConfig, TrainConfig
 from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.context import StageContext
@@ -51,18 +51,17 @@ def reads(ctx: StageContext) -> tuple[str, ...]:
     )
 
 
-def _local(size: int, world: int) -> int:
-    return max(size // world, 1)
+def _per_worker(opt: OptimConfig, world: int) -> dict[str, int]:
+    """The epochs and the mini/micro batch sizes of one of ``world`` data-parallel workers."""
+    mini = max(opt.mini_batch_size // world, 1)
+    micro = min(max(opt.micro_batch_size // world, 1), mini)
+    return {"ppo_epochs": opt.ppo_epochs, "mini_batch_size": mini, "micro_batch_size": micro}
 
 
 def actor_settings(cfg: TrainConfig, world: int) -> ActorUpdateSettings:
     opt, algo = cfg.actor, cfg.algorithm
     return ActorUpdateSettings(
-        ppo_epochs=opt.ppo_epochs,
-        mini_batch_size=_local(opt.mini_batch_size, world),
-        micro_batch_size=min(
-            _local(opt.micro_batch_size, world), _local(opt.mini_batch_size, world)
-        ),
+        **_per_worker(opt, world),
         clip_low=opt.clip_low,
         clip_high=opt.clip_high,
         dual_clip=opt.dual_clip,
@@ -78,11 +77,7 @@ def actor_settings(cfg: TrainConfig, world: int) -> ActorUpdateSettings:
 def critic_settings(cfg: TrainConfig, world: int) -> CriticUpdateSettings:
     opt = cfg.critic
     return CriticUpdateSettings(
-        ppo_epochs=opt.ppo_epochs,
-        mini_batch_size=_local(opt.mini_batch_size, world),
-        micro_batch_size=min(
-            _local(opt.micro_batch_size, world), _local(opt.mini_batch_size, world)
-        ),
+        **_per_worker(opt, world),
         clip_range=opt.value_clip,
         agg=opt.loss_agg,
         max_grad_norm=opt.max_grad_norm,
@@ -136,39 +131,40 @@ def _update(
     given = {fields[name]: padded(value, width).float() for name, value in data.items()}
     world = worker.spec.world_size
     reducer = None if world == 1 else (lambda model: sync_gradients(model, world))
+
+    def common(role: Any, settings: ActorUpdateSettings | CriticUpdateSettings) -> dict[str, Any]:
+        """What the actor's and the critic's updates both take: the model of ``role``, its
+        optimizer, the batch and the data-parallel reduction."""
+        units = _global_units(worker, batch.response_mask, settings.mini_batch_size, settings.agg)
+        return {
+            "model": role.module,
+            "optimizer": role.optimizer,
+            "scheduler": role.scheduler,
+            "batch": batch,
+            "grad_reducer": reducer,
+            "global_tokens": units,
+            "global_seqs": units,
+        }
+
     metrics: dict[str, float] = {}
-    units = _global_units(worker, batch.response_mask, actor.mini_batch_size, actor.agg)
     with worker.awake("actor") as model:
         metrics.update(
             actor_update(
-                model=model.module,
-                optimizer=model.optimizer,
-                scheduler=model.scheduler,
-                batch=batch,
+                **common(model, actor),
                 old_logprobs=given.get("old_logprobs"),
                 advantages=given["advantages"],
                 ref_logprobs=given.get("ref_logprobs"),
                 cfg=actor,
-                grad_reducer=reducer,
-                global_tokens=units,
-                global_seqs=units,
             )
         )
     if critic is not None:
-        units = _global_units(worker, batch.response_mask, critic.mini_batch_size, critic.agg)
         with worker.awake("critic") as model:
             metrics.update(
                 critic_update(
-                    model=model.module,
-                    optimizer=model.optimizer,
-                    scheduler=model.scheduler,
-                    batch=batch,
+                    **common(model, critic),
                     old_values=given["values"],
                     returns=given["returns"],
                     cfg=critic,
-                    grad_reducer=reducer,
-                    global_tokens=units,
-                    global_seqs=units,
                 )
             )
     worker.publish_policy()

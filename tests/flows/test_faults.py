@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from test_kill_resume import _final_weights
 
 from infra.config import load_config
 
@@ -25,19 +25,8 @@ COMMON = [
 ]
 
 
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(
-        run_dir
-        / "checkpoints"
-        / f"step-{STEPS - 1:06d}"
-        / "workers"
-        / "actor"
-        / "model.safetensors"
-    )
-
-
 def _assert_same_weights(a: Path, b: Path) -> None:
-    ref, got = _weights(a), _weights(b)
+    ref, got = _final_weights(a, STEPS), _final_weights(b, STEPS)
     assert ref.keys() == got.keys()
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], rtol=0, atol=1e-6, msg=key)

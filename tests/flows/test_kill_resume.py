@@ -54,11 +54,12 @@ def _kill_everything_under(tmp: Path) -> None:
                 os.kill(int(proc.name), signal.SIGKILL)
 
 
-def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+def _final_weights(run_dir: Path, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The actor's weights in the checkpoint after the last of ``steps`` steps."""
     return load_file(
         run_dir
         / "checkpoints"
-        / f"step-{STEPS - 1:06d}"
+        / f"step-{steps - 1:06d}"
         / "workers"
         / "actor"
         / "model.safetensors"
