@@ -149,8 +149,10 @@ class Trainer:
     def resume(self) -> int:
         """Load the latest checkpoint when ``trainer.resume == 'auto'``; returns the first step to run."""
         path = latest_checkpoint(self.run_dir) if self.cfg.trainer.resume == "auto" else None
-        if path is None:
-            return 0
+        return 0 if path is None else self._load(path)
+
+    def _load(self, path: Path) -> int:
+        """Restore the checkpoint at ``path``; returns the step after it."""
         restored = restore(path, rt=self.rt, ctx=self.ctx, data=self.data)
         self.version, self.submitted = restored.version, restored.submitted
         self.last_checkpoint = path
@@ -261,23 +263,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ restarts
     def restart(self, exc: WorkerDied, step: int, report: RunReport) -> int:
-        """Replace the dead worker's group and continue from the latest checkpoint (or from the
-        run's start without one); returns the step to run next."""
+        """Replace the dead worker's group and continue from this run's latest checkpoint (the
+        one it resumed from or wrote; the run's start without one); returns the step to run next."""
         self.stop_producer()
         exc.group.restart()
         self.restarts += 1
         for s in list(self.submitted):  # rows of steps not checkpointed are made again
             self.rt.store.kv_clear(partition_id(s))
         self.submitted = {}
-        path = latest_checkpoint(self.run_dir)
-        if path is not None:
-            restored = restore(path, rt=self.rt, ctx=self.ctx, data=self.data)
-            self.version, self.submitted = restored.version, restored.submitted
-            nxt = restored.step + 1
+        if self.last_checkpoint is not None:
+            nxt = self._load(self.last_checkpoint)
         else:
             self.data.load_state_dict(self.initial["data"])
             self.ctx.kl_controller.load_state_dict(self.initial["kl"])
-            self.version, nxt = 0, self.initial["step"]
+            self.version, nxt = 0, 0
         for s in [s for s in self.ctx.metrics if s >= nxt]:
             self.ctx.metrics.pop(s)
         report.restarted(nxt, {"failed_step": step, "restarts": self.restarts, "error": str(exc)})
@@ -304,11 +303,7 @@ class Trainer:
     # ------------------------------------------------------------------ the run
     def run(self, report_factory: Any = RunReport) -> RunResult:
         cfg = self.cfg
-        self.initial = {
-            "data": self.data.state_dict(),
-            "kl": self.ctx.kl_controller.state_dict(),
-            "step": 0,
-        }
+        self.initial = {"data": self.data.state_dict(), "kl": self.ctx.kl_controller.state_dict()}
         first = self.resume()
         report: RunReport = report_factory(
             self.run_dir,

@@ -111,15 +111,6 @@ def _load_weights(module: torch.nn.Module, path: Path) -> None:
         )
 
 
-def _plain(value: Any) -> Any:
-    """A store value as a stage step uses it: tensors as they are, object fields as a list."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return list(value)
-
-
 class ModelWorker:
     """Holds models for some roles on one device and runs worker-side steps; see the module
     docstring."""
@@ -289,10 +280,7 @@ class ModelWorker:
         """``fields`` of ``meta.keys`` from the store, waiting up to ``store.get_timeout_s`` for
         rows not produced yet: jagged fields as ``torch.jagged`` nested tensors, dense fields
         as tensors, object fields as lists."""
-        td = self.store.kv_batch_get(
-            list(meta.keys), meta.partition_id, list(fields), timeout=self.cfg.store.get_timeout_s
-        )
-        return {name: _plain(td[name]) for name in fields}
+        return self.store.get_fields(meta, fields, timeout=self.cfg.store.get_timeout_s)
 
     def write(self, meta: BatchMeta, fields: dict[str, Any]) -> None:
         """Put ``fields`` (nested tensors or lists of 1-D rows, dense tensors, lists) for ``meta.keys``."""

@@ -13,6 +13,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+import torch
+
 from storage import arrow_io
 from storage.columnar import BoolArray
 from storage.errors import SchemaError, StoreError, StoreTimeout, preview
@@ -183,6 +185,21 @@ class Store(ABC):
         Raises:
             StoreTimeout: something was still missing when the timeout passed.
         """
+
+    def get_fields(
+        self, meta: BatchMeta, fields: Sequence[str], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """`kv_batch_get` of `fields` for `meta`'s keys, as plain values: jagged fields as
+        `torch.jagged` nested tensors, dense fields as tensors, object fields as lists."""
+        td = self.kv_batch_get(list(meta.keys), meta.partition_id, list(fields), timeout=timeout)
+        out: dict[str, Any] = {}
+        for name in fields:
+            value = td[name]
+            if isinstance(value, torch.Tensor):
+                out[name] = value
+            else:
+                out[name] = value.tolist() if hasattr(value, "tolist") else list(value)
+        return out
 
     @abstractmethod
     def kv_list(self, partition_id: str) -> dict[str, list[str]]:
