@@ -9,6 +9,11 @@ ppoflow data addition --out DIR                               # the built-in pro
 A bad setting, a missing file or folder, a prompt longer than ``data.max_prompt_length`` (with
 ``data.truncation=error``) or a reward function that does not load is one line on stderr and
 exit status 2, before Ray or Prefect start; a run that fails later exits 1 with its error.
+
+Before ``ppoflow train`` exits it waits up to ``EVENTS_DRAIN_S`` for Prefect's queued events
+(task states, iteration events) to reach the API; when the API no longer answers (the server
+went away mid-run), the events still queued are dropped with a warning and the command exits
+with the run's status instead of retrying each one (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+EVENTS_DRAIN_S = 30.0
 
 
 def _quiet_defaults() -> None:
@@ -70,7 +77,13 @@ def _train(args: argparse.Namespace) -> int:
     from flows.train import ppo_train
 
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        state = ppo_train(cfg, return_state=True)
+        try:
+            state = ppo_train(cfg, return_state=True)
+        except Exception as exc:
+            if not _api_lost(exc):
+                raise
+            _report_unrecorded(cfg, exc)
+            return 1
     if not state.is_completed():
         print(
             f"ppoflow: run failed: {_one_line(Exception(state.message or state.name))}",
@@ -83,6 +96,46 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(state.result(), indent=1))
     return 0
+
+
+def _api_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is the Prefect API not answering."""
+    import httpx
+
+    while exc is not None:
+        if isinstance(exc, httpx.TransportError):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
+
+
+def _report_unrecorded(cfg: object, exc: BaseException) -> None:
+    """The run's files are what it did: name its latest checkpoint and how to go on."""
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.checkpoint import latest_checkpoint
+    from infra.config import TrainConfig
+
+    assert isinstance(cfg, TrainConfig)
+
+    latest = latest_checkpoint(cfg.resolved_run_dir)
+    where = f"its latest checkpoint is {latest}" if latest else "it wrote no checkpoint"
+    print(
+        f"ppoflow: the Prefect API ({PREFECT_API_URL.value() or 'temporary server'}) stopped "
+        f"answering ({type(exc).__name__}: {_one_line(exc)}), so the run's final state is not "
+        f"recorded there; {where}; run the same command again to resume from it "
+        "(trainer.resume=auto)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _events_delivered(timeout: float) -> bool:
+    """Wait up to ``timeout`` for Prefect's queued events to be sent; False if some were not."""
+    from prefect.events.worker import EventsWorker
+
+    waited = EventsWorker.drain_all(timeout=timeout, at_exit=False)
+    return not (isinstance(waited, tuple) and waited[1])
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -154,7 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--seed", type=int, default=0)
     data.set_defaults(fn=_data)
     args = parser.parse_args(argv)
-    return int(args.fn(args))
+    code = int(args.fn(args))
+    if args.command == "train" and not _events_delivered(EVENTS_DRAIN_S):
+        print(
+            f"ppoflow: Prefect events not delivered within {EVENTS_DRAIN_S:.0f} s (the Prefect "
+            "API does not answer) were dropped; the run's files are complete",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(code)  # Prefect's exit hook would retry every queued event, without a bound
+    return code
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from infra.config import TrainConfig
 from infra.faults import FaultPlan
 from infra.group import WorkerDied
 from infra.workers import ModelWorker
-from storage import BatchMeta
+from storage import BatchMeta, ShardLost
 from tasks.advantage.stage import advantage
 from tasks.context import StageContext
 from tasks.generate.stage import generate, submit_prompts
@@ -57,14 +57,15 @@ STAGES = {
 
 def retryable(task: Any, task_run: Any, state: Any) -> bool:
     """Retry a failed stage unless its error would repeat: a reward function that raised or
-    returned a bad value, a non-finite reward-model score (timeouts and lost workers retry)."""
+    returned a bad value, a non-finite reward-model score; a dead worker or a lost store shard
+    is for the loop's restart (timeouts retry)."""
     from infra.reward_functions import RewardFunctionError
 
     try:
         state.result(raise_on_failure=True)
     except RewardFunctionError as exc:
         return exc.kind in ("timeout", "died")
-    except (NonFiniteScoreError, WorkerDied):  # a dead worker is replaced by the loop, not retried
+    except (NonFiniteScoreError, WorkerDied, ShardLost):  # the loop restarts for these
         return False
     except BaseException:  # noqa: BLE001 - anything else may be transient
         return True
@@ -262,11 +263,18 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ restarts
-    def restart(self, exc: WorkerDied, step: int, report: RunReport) -> int:
-        """Replace the dead worker's group and continue from this run's latest checkpoint (the
-        one it resumed from or wrote; the run's start without one); returns the step to run next."""
+    def restart(self, exc: WorkerDied | ShardLost, step: int, report: RunReport) -> int:
+        """Replace the dead worker's group (for a lost store shard: make the shard anew and
+        replace every group, whose store connections reach the dead one) and continue from this
+        run's latest checkpoint (the one it resumed from or wrote; the run's start without one);
+        returns the step to run next."""
         self.stop_producer()
-        exc.group.restart()
+        if isinstance(exc, WorkerDied):
+            exc.group.restart()
+        else:
+            self.rt.store.recover()
+            for group in self.rt.groups():
+                group.restart()
         self.restarts += 1
         for s in list(self.submitted):  # rows of steps not checkpointed are made again
             self.rt.store.kv_clear(partition_id(s))
@@ -330,13 +338,15 @@ class Trainer:
             while step < end:
                 try:
                     out_of_time = self.one_step(step, first=first, end=end, report=report, t0=t0)
-                except WorkerDied as exc:
+                except (WorkerDied, ShardLost) as exc:
                     if self.restarts >= cfg.trainer.max_restarts:
-                        raise WorkerDied(
+                        message = (
                             f"{exc} at step {step}; no restart left "
-                            f"(trainer.max_restarts={cfg.trainer.max_restarts})",
-                            exc.group,
-                        ) from exc
+                            f"(trainer.max_restarts={cfg.trainer.max_restarts})"
+                        )
+                        if isinstance(exc, WorkerDied):
+                            raise WorkerDied(message, exc.group) from exc
+                        raise RuntimeError(message) from exc
                     step = self.restart(exc, step, report)
                     continue
                 last = step

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from infra.group import WorkerDied
-from storage import BatchMeta
+from storage import BatchMeta, ShardLost
 
 
 class RolloutProducer:
@@ -64,8 +64,8 @@ class RolloutProducer:
         deadline = time.monotonic() + timeout
         with self.lock:
             while step not in self.produced:
-                if isinstance(self.error, WorkerDied):
-                    raise self.error  # the training loop replaces the worker
+                if isinstance(self.error, (WorkerDied, ShardLost)):
+                    raise self.error  # the training loop restarts
                 if self.error is not None:
                     raise RuntimeError(
                         f"no rollout for step {step}: the producer failed: {self.error!r}"

@@ -7,6 +7,11 @@ The curves artifact is markdown holding the reward/KL/validation plot as a PNG d
 Prefect UI renders ``data:image/...`` sources in markdown artifacts, and the image travels with
 the server's database, unlike a link to a file on the training machine). It is refreshed with
 the metrics table, at most every ``trainer.artifact_interval_s``, in place (one version).
+
+Training never waits on the Prefect API: an artifact call is made once, without the client's
+retries, and when the API does not answer the report warns once, skips artifacts for
+``API_BACKOFF_S`` (or the artifact interval, if longer) and brings them up to date at the next
+publish that gets through. Events are queued by Prefect and sent in the background.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ import math
 import re
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 from uuid import UUID
 
 from prefect.artifacts import (
@@ -31,14 +36,18 @@ from prefect.artifacts import (
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.events import emit_event
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from flows.plot import curves_png
 from flows.trackers import JSONL, Tracker, TrackerRun, check_names, open_tracker
 from infra.config import AlertConfig
 
+R = TypeVar("R")
+
 ITERATION_EVENT = "ppoflow.iteration.completed"
 ALERT_EVENT = "ppoflow.metric.alert"
 RESTART_EVENT = "ppoflow.worker.restarted"
+API_BACKOFF_S = 30.0  # how long artifacts are skipped after the Prefect API did not answer
 TABLE_COLUMNS = (
     "step",
     "critic/score/mean",
@@ -101,6 +110,8 @@ class RunReport:
         self._published_at = -math.inf
         self._unpublished: int | None = None  # the last step not yet in the artifacts
         self.curves_id: UUID | None = None
+        self._api_down_until = -math.inf  # artifacts are skipped until then (see the docstring)
+        self._api_warned = False
         self.alerts = list(alerts)
         self._outside = [False] * len(self.alerts)  # per alert: was its last value outside?
         check_names(loggers)
@@ -109,6 +120,27 @@ class RunReport:
 
     def _warn(self, what: str, exc: BaseException) -> None:
         print(f"[{self.name}] {what}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    def _api(self, what: str, call: Callable[[], R]) -> R | None:
+        """``call()`` (one Prefect API request, no client retries); None when the API is down
+        or does not answer (warned once per outage)."""
+        if time.monotonic() < self._api_down_until:
+            return None
+        try:
+            with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}):
+                result = call()
+        except Exception as exc:  # noqa: BLE001 - the UI's records never stop a run
+            self._api_down_until = time.monotonic() + max(API_BACKOFF_S, self.artifact_interval_s)
+            if not self._api_warned:
+                self._warn(
+                    f"the Prefect API did not answer ({what}); artifacts are skipped until it "
+                    "does, training goes on and metrics.jsonl keeps every row",
+                    exc,
+                )
+                self._api_warned = True
+            return None
+        self._api_warned = False
+        return result
 
     def _open_trackers(self, names: list[str], run: TrackerRun) -> dict[str, Tracker]:
         """The trackers that open; one that fails is reported and left out of the run."""
@@ -130,12 +162,15 @@ class RunReport:
         return rows
 
     def start(self, step: int) -> None:
-        self.progress_id = cast(
-            UUID,
-            create_progress_artifact(  # sync inside a flow
-                progress=100.0 * step / self.total,
-                key=artifact_key(self.name, "progress"),
-                description=f"ppoflow run {self.name}: steps done / {self.total}",
+        self.progress_id = self._api(
+            "progress artifact",
+            lambda: cast(
+                UUID,
+                create_progress_artifact(  # sync inside a flow
+                    progress=100.0 * step / self.total,
+                    key=artifact_key(self.name, "progress"),
+                    description=f"ppoflow run {self.name}: steps done / {self.total}",
+                ),
             ),
         )
         if self.want_bar and sys.stderr.isatty():
@@ -193,8 +228,13 @@ class RunReport:
         }
 
     def restarted(self, step: int, payload: dict[str, Any]) -> None:
-        """Emit ``ppoflow.worker.restarted``: a dead worker was replaced and the run continues
-        from ``step``."""
+        """Emit ``ppoflow.worker.restarted`` (and say so on stderr): a dead worker was replaced,
+        or a lost store shard made anew, and the run continues from ``step``."""
+        print(
+            f"[{self.name}] restarted, continuing from step {step}: {payload.get('error', '')}",
+            file=sys.stderr,
+            flush=True,
+        )
         emit_event(event=RESTART_EVENT, resource=self._resource, payload={"step": step, **payload})
 
     def _check_alerts(self, step: int, row: dict[str, Any]) -> None:
@@ -236,11 +276,16 @@ class RunReport:
         )
 
     def _publish(self) -> None:
-        """Bring the metrics table and the progress artifact up to the last logged step."""
+        """Bring the metrics table, the curves and the progress artifact up to the last logged
+        step (kept pending when the API does not answer)."""
         if self._unpublished is None:
             return
-        step, self._unpublished = self._unpublished, None
+        step = self._unpublished
         self._published_at = time.monotonic()
+        if self._api("metrics artifacts", lambda: self._publish_all(step)) is not None:
+            self._unpublished = None
+
+    def _publish_all(self, step: int) -> bool:
         table = [
             {
                 c: (round(r[c], 5) if isinstance(r.get(c), float) else r.get(c))
@@ -256,6 +301,7 @@ class RunReport:
         self._publish_curves()
         if self.progress_id is not None:
             update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
+        return True
 
     def _show(self, step: int, row: dict[str, Any]) -> None:
         keys = (
@@ -277,10 +323,7 @@ class RunReport:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
-        try:
-            self._publish()
-        except Exception as exc:  # noqa: BLE001 - see the docstring
-            self._warn("could not update the Prefect artifacts", exc)
+        self._publish()
         for name, tracker in self.trackers.items():
             try:
                 tracker.close()
@@ -306,8 +349,11 @@ class RunReport:
         if self.rows:
             lines += ["", "## Curves", "", curves_markdown(self.rows, self.name)]
         text = "\n".join(lines) + "\n"
-        create_markdown_artifact(
-            markdown=text, key=artifact_key(self.name, "summary"), description="run summary"
-        )
         (self.run_dir / "summary.md").write_text(text)
+        self._api(
+            "summary artifact",
+            lambda: create_markdown_artifact(
+                markdown=text, key=artifact_key(self.name, "summary"), description="run summary"
+            ),
+        )
         return text

@@ -33,15 +33,19 @@ class Runtime:
     started_ray: bool = False
     reward_pool: Any | None = None  # infra.reward_functions.RewardFunctionPool, when configured
 
-    def shutdown(self) -> None:
-        if self.reward_pool is not None:
-            self.reward_pool.close()
-        groups = {
+    def groups(self) -> list[WorkerGroup]:
+        """Each worker group once (pools that share a group list it once)."""
+        found = {
             id(g): g
             for g in (self.train_group, self.reward_group, self.rollout_group)
             if g is not None
         }
-        for g in groups.values():
+        return list(found.values())
+
+    def shutdown(self) -> None:
+        if self.reward_pool is not None:
+            self.reward_pool.close()
+        for g in self.groups():
             g.shutdown()
         for pool in self.pools:
             pool.release()

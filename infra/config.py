@@ -356,7 +356,7 @@ class AlertConfig(_Section):
 
 
 FaultStage = Literal["generate", "score", "logprobs", "advantage", "update", "checkpoint"]
-FaultAction = Literal["raise", "delay", "kill_worker", "exit_flow"]
+FaultAction = Literal["raise", "delay", "kill_worker", "kill_store_shard", "exit_flow"]
 
 
 class FaultConfig(_Section):
@@ -371,17 +371,20 @@ class FaultConfig(_Section):
     action: FaultAction = Field(
         description="raise: the stage raises before any side effect; delay: the workers do the "
         "work, then wait `seconds` before replying; kill_worker: the first worker's process "
-        "exits at the start of the call; exit_flow: the flow process exits."
+        "exits at the start of the call; kill_store_shard: store shard `shard` (a ray:// store) "
+        "is killed just before the stage, so its rows are lost; exit_flow: the flow process exits."
     )
     seconds: float = Field(0.0, ge=0, description="How long `delay` waits.")
+    shard: int = Field(0, ge=0, description="The store shard `kill_store_shard` kills.")
 
     @model_validator(mode="after")
     def _delay_has_seconds(self) -> FaultConfig:
         if self.action == "delay" and self.seconds <= 0:
             raise ValueError("a delay fault needs seconds > 0")
-        if self.stage == "checkpoint" and self.action == "delay":
+        if self.stage == "checkpoint" and self.action in ("delay", "kill_store_shard"):
             raise ValueError(
-                "the checkpoint has no worker reply to delay: use raise, kill_worker or exit_flow"
+                f"{self.action} does not apply to the checkpoint: use raise, kill_worker or "
+                "exit_flow"
             )
         return self
 

@@ -8,6 +8,8 @@ resuming the same run directory fires it again. What each action does:
 - ``raise``: ``InjectedFault`` is raised before the stage's side effects;
 - ``delay``: the workers do their work, then wait ``seconds`` before replying (a late reply);
 - ``kill_worker``: the first worker's process exits at the start of the call (a lost worker);
+- ``kill_store_shard``: shard ``shard`` of the run's ``ray://`` store is killed just before the
+  stage, taking its rows with it (a lost store node);
 - ``exit_flow``: the flow process exits at once (a lost driver), with status ``EXIT_STATUS``.
 """
 
@@ -64,10 +66,19 @@ class FaultPlan:
                     return fault
         return None
 
-    def fire_here(self, fault: FaultConfig | None, where: str) -> None:
-        """Act on ``raise`` and ``exit_flow`` in the calling process (the others act in a worker)."""
+    def fire_here(self, fault: FaultConfig | None, where: str, store: object = None) -> None:
+        """Act on ``raise``, ``exit_flow`` and ``kill_store_shard`` (on ``store``) in the calling
+        process (the others act in a worker)."""
         if fault is None:
             return
+        if fault.action == "kill_store_shard":
+            kill = getattr(store, "kill_shard", None)
+            if kill is None:
+                raise InjectedFault(
+                    f"injected fault at {where}: kill_store_shard needs a ray:// store "
+                    f"(store.url), not {getattr(store, 'url', store)!r}"
+                )
+            kill(fault.shard)
         if fault.action == "raise":
             raise InjectedFault(
                 f"injected fault: {where} raised (faults entry {fault.model_dump()})"

@@ -350,6 +350,7 @@ class ModelWorker:
         """Restore what ``save_checkpoint`` wrote; returns the policy version."""
         src = Path(path)
         state = torch.load(src / f"worker-{self.spec.rank}.pt", weights_only=False)
+        self.applied.clear()  # work recorded after the checkpoint is undone by loading it
         if "actor" in self.spec.roles:
             _load_weights(self.actor.module, src / "actor" / "model.safetensors")
             self.actor.optimizer.load_state_dict(state["actor_optimizer"])

@@ -16,6 +16,7 @@ from storage.base import DEFAULT_TIMEOUT_S, Store
 from storage.errors import (
     ConflictError,
     SchemaError,
+    ShardLost,
     StoreCorruptError,
     StoreError,
     StoreTimeout,
@@ -31,6 +32,7 @@ __all__ = [
     "ConflictError",
     "FieldSpec",
     "SchemaError",
+    "ShardLost",
     "Store",
     "StoreCorruptError",
     "StoreError",

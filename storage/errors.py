@@ -69,3 +69,43 @@ class StoreTimeout(StoreError, TimeoutError):
             type(self),
             (self.partition_id, self.missing_keys, self.missing_fields, self.waited_s, self.detail),
         )
+
+
+class ShardLost(StoreError):
+    """A shard of a ``ray://`` store is gone (its actor died, or its node): the rows it held are
+    lost. Names the store, the shard, the partition and the keys the call needed from it.
+
+    What to do: ``RayStore.recover()`` makes the lost shards anew (empty), then the rows are
+    produced again; the training flow does both and continues from its latest checkpoint when
+    ``trainer.max_restarts`` allows.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        shard: int | None,
+        partition_id: str,
+        keys: Sequence[str],
+        detail: str = "",
+    ) -> None:
+        self.url = url
+        self.shard = shard
+        self.partition_id = partition_id
+        self.keys = tuple(keys)
+        self.detail = detail
+        which = "a shard" if shard is None else f"shard {shard}"
+        message = f"{url}: {which} is lost"
+        if detail:
+            message += f" ({detail})"
+        if partition_id:
+            message += f"; partition {partition_id!r} lost the rows it held"
+            if self.keys:
+                message += f" of {len(self.keys)} key(s) {preview(self.keys)}"
+        message += (
+            "; recover the store (RayStore.recover) and produce those rows again (a training "
+            "run restarts from its latest checkpoint, up to trainer.max_restarts times)"
+        )
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.url, self.shard, self.partition_id, self.keys, self.detail))

@@ -12,6 +12,10 @@ how data reaches them depends on where they run (`storage.ray_links`):
 - another node, or `transport=object_store`: Ray actor calls; a put's batch is placed in the
   object store once and each involved shard copies out its rows, a get's rows come back through it.
 
+A shard that dies takes its rows with it: any call that needed it raises ShardLost naming the
+shard, the partition and the keys, and `recover()` makes the lost shards anew, empty, under the
+same names (the surviving shards keep their rows).
+
 Either way data crosses processes as numpy buffers plus JSON headers (`storage.wire`), never as
 pickled Python objects. A put touching one shard is one request; one spanning shards is two-phase
 (every shard validates and stages, then all commit), so a failed put changes nothing, and a
@@ -29,14 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from tensordict import TensorDict
 
 from storage import shm
@@ -52,7 +59,7 @@ from storage.base import (
 from storage.channel import ChannelClosed
 from storage.columnar import BoolArray, Column, IntArray, concat, empty_column, gather
 from storage.convert import SpecLookup, to_columns, to_tensordict
-from storage.errors import SchemaError, StoreError, StoreTimeout
+from storage.errors import SchemaError, ShardLost, StoreError, StoreTimeout
 from storage.meta import BatchMeta
 from storage.partition import PartitionDump
 from storage.ray_links import Link, LocalLink, Outgoing, Pending, RayLink, RayPending, Reply, pick
@@ -71,10 +78,36 @@ def _url(name: str, shards: int, namespace: str, timeout: float, transport: str)
     return url if transport == "auto" else f"{url}&transport={transport}"
 
 
+def _start_shard(name: str, namespace: str, index: int, total: int, token: str) -> Any:
+    """The handle of shard `index` of store `name`, created (owned by `token`) if it is not running."""
+    options = {"name": actor_name(name, index), "namespace": namespace}
+    actor = ray.remote(StoreShard).options(
+        **options, get_if_exists=True, num_cpus=0, max_restarts=0
+    )
+    return actor.remote(name, index, total, token)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in _proc_state(pid)
+
+
+def _proc_state(pid: int) -> str:
+    """The state letter of process ``pid`` ("Z" for a zombie), "" when it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def _link(actor: Any, config: Mapping[str, Any], transport: str, url: str, timeout: float) -> Link:
     """The local path to a shard when it runs on this node and answers there, else Ray calls."""
+    index = int(config["index"])
     if transport == "object_store":
-        return RayLink(actor, url)
+        return RayLink(actor, url, index)
     reason = "it runs on another node"
     if not shm.available():
         reason = "this platform lacks memfd or descriptor passing"
@@ -82,7 +115,7 @@ def _link(actor: Any, config: Mapping[str, Any], transport: str, url: str, timeo
         reason = "it has no local socket"
         if config.get("socket"):
             try:
-                return LocalLink(config["socket"], url, timeout)
+                return LocalLink(config["socket"], url, timeout, index)
             except (OSError, ChannelClosed) as exc:
                 reason = f"its local socket failed: {exc!r}"
     if transport == "shm":
@@ -90,7 +123,7 @@ def _link(actor: Any, config: Mapping[str, Any], transport: str, url: str, timeo
             f"{url}: shard {config['index']} cannot be reached through shared memory ({reason}); "
             "open the store with transport=auto or transport=object_store"
         )
-    return RayLink(actor, url)
+    return RayLink(actor, url, index)
 
 
 class RayStore(Store):
@@ -104,6 +137,10 @@ class RayStore(Store):
         owned: list[bool],
         links: list[Link],
         timeout: float,
+        *,
+        namespace: str,
+        transport: str,
+        token: str,
     ) -> None:
         super().__init__(url, timeout)
         self.name = name
@@ -111,6 +148,7 @@ class RayStore(Store):
         self._owned = owned
         self._links = links
         self._rpc_timeout = max(timeout, _MIN_RPC_S)
+        self._namespace, self._transport, self._token = namespace, transport, token
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         """Unpickles as a new handle attached by URL (which never kills the shards on close)."""
@@ -133,13 +171,9 @@ class RayStore(Store):
             )
         name = name.strip("/") or f"store-{uuid.uuid4().hex[:12]}"
         token = uuid.uuid4().hex
-        actor = ray.remote(StoreShard)
 
         def start(index: int, total: int) -> Any:
-            options = {"name": actor_name(name, index), "namespace": namespace}
-            return actor.options(**options, get_if_exists=True, num_cpus=0, max_restarts=0).remote(
-                name, index, total, token
-            )
+            return _start_shard(name, namespace, index, total, token)
 
         first = start(0, shards or DEFAULT_SHARDS)
         rpc_timeout = max(timeout, _MIN_RPC_S)
@@ -168,7 +202,79 @@ class RayStore(Store):
                 if mine:
                     ray.kill(handle, no_restart=True)
             raise
-        return cls(name, url, handles, owned, links, timeout)
+        return cls(
+            name,
+            url,
+            handles,
+            owned,
+            links,
+            timeout,
+            namespace=namespace,
+            transport=transport,
+            token=token,
+        )
+
+    # -- lost shards -------------------------------------------------------------------------------
+
+    def _alive(self, index: int) -> bool:
+        try:
+            ray.get(self._shards[index].config.remote(), timeout=self._rpc_timeout)
+        except RayActorError:
+            return False
+        except GetTimeoutError as exc:
+            raise StoreTimeout(
+                "", [], [], self._rpc_timeout, f"shard {index} did not answer"
+            ) from exc
+        return True
+
+    def recover(self) -> list[int]:
+        """Makes every shard that is gone anew (empty, same name, owned by this handle) and
+        reconnects to it; returns their indices. The rows the lost shards held are gone, so
+        partitions that had rows there are incomplete: clear them and produce them again."""
+        self._check_open()
+        lost = [i for i in range(len(self._shards)) if not self._alive(i)]
+        for i in lost:
+            self._links[i].close()
+            ray.kill(self._shards[i], no_restart=True)  # lets Ray free the dead shard's name
+            handle, config = self._restart_shard(i)
+            self._shards[i], self._owned[i] = handle, config["owner"] == self._token
+            self._links[i] = _link(handle, config, self._transport, self.url, self._rpc_timeout)
+        return lost
+
+    def _restart_shard(self, index: int) -> tuple[Any, dict[str, Any]]:
+        """A new shard ``index`` and its config (Ray frees a dead actor's name shortly after
+        its death: until then the name still finds the dead one)."""
+        deadline = time.monotonic() + self._rpc_timeout
+        while True:
+            handle = _start_shard(self.name, self._namespace, index, len(self._shards), self._token)
+            try:
+                reply = ray.get(handle.config.remote(), timeout=self._rpc_timeout)
+                return handle, json.loads(reply)
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise StoreError(
+                        f"{self.url}: shard {index} could not be made anew: Ray still holds the "
+                        "name of the dead one"
+                    ) from None
+                time.sleep(0.1)
+
+    def kill_shard(self, index: int) -> None:
+        """Kills shard ``index`` and waits until it is gone: a lost shard, to rehearse recovery
+        (the ``faults`` action ``kill_store_shard``). On this node its process gets SIGKILL (a
+        crash); elsewhere Ray kills it."""
+        self._check_open()
+        handle = self._shards[index]
+        config = json.loads(ray.get(handle.config.remote(), timeout=self._rpc_timeout))
+        local = config.get("node") == ray.get_runtime_context().get_node_id()
+        if local:
+            os.kill(int(config["pid"]), signal.SIGKILL)
+        else:
+            ray.kill(handle, no_restart=True)
+        deadline = time.monotonic() + self._rpc_timeout
+        while self._alive(index) or (local and _running(int(config["pid"]))):
+            if time.monotonic() > deadline:
+                raise StoreError(f"{self.url}: shard {index} still runs after it was killed")
+            time.sleep(0.05)
 
     # -- calls ------------------------------------------------------------------------------------
 
@@ -177,9 +283,15 @@ class RayStore(Store):
             raise StoreError(f"{self.url} is closed; open the store again")
 
     def _replies(
-        self, refs: Sequence[Any], timeout: float, what: str, partition_id: str
+        self,
+        refs: Sequence[Any],
+        timeout: float,
+        what: str,
+        partition_id: str,
+        shards: Sequence[int] | None = None,
     ) -> list[Any]:
-        """`ray.get` of plain actor calls with a timeout; Ray failures become typed store errors."""
+        """`ray.get` of plain actor calls (to `shards`, default all in order) with a timeout; Ray
+        failures become typed store errors."""
         self._check_open()
         start = time.monotonic()
         try:
@@ -188,10 +300,26 @@ class RayStore(Store):
             raise StoreTimeout(
                 partition_id, [], [], time.monotonic() - start, f"{what}: a shard did not answer"
             ) from exc
+        except RayActorError as exc:
+            dead = self._dead(list(refs), list(range(len(refs))) if shards is None else shards)
+            detail = f"{what}: {type(exc).__name__}"
+            raise ShardLost(self.url, dead, partition_id, [], detail) from exc
         except RayError as exc:
             raise StoreError(
                 f"{self.url}: {what} failed in a shard: {exc}; reopen the store"
             ) from exc
+
+    @staticmethod
+    def _dead(refs: Sequence[Any], shards: Sequence[int]) -> int | None:
+        """The shard of the first reference that failed because its actor is gone."""
+        for ref, shard in zip(refs, shards):
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError:
+                return shard
+            except RayError:
+                continue
+        return None
 
     def _settle(self, pending: Mapping[int, Pending], partition_id: str) -> None:
         """Waits for every reply (each within the call timeout); raises the first failure."""
@@ -369,6 +497,7 @@ class RayStore(Store):
 
     def kv_clear(self, partition_id: str, keys: Sequence[str] | None = None) -> int:
         check_partition_id(partition_id)
+        shards: list[int] | None = None
         if keys is None:
             refs = [shard.clear.remote(partition_id, None) for shard in self._shards]
         else:
@@ -378,7 +507,8 @@ class RayStore(Store):
                 self._shards[s].clear.remote(partition_id, keys_blob(pick(keys, rows)))
                 for s, rows in routes.items()
             ]
-        return sum(self._replies(refs, self._rpc_timeout, "kv_clear", partition_id))
+            shards = list(routes)
+        return sum(self._replies(refs, self._rpc_timeout, "kv_clear", partition_id, shards))
 
     def declare(self, partition_id: str, specs: Mapping[str, FieldSpec]) -> None:
         check_partition_id(partition_id)
@@ -389,7 +519,7 @@ class RayStore(Store):
 
         def stage(s: int, txn: str) -> Pending:
             ref = self._shards[s].stage_declare.remote(txn, partition_id, blob, ttl)
-            return RayPending(ref, "declare", self.url)
+            return RayPending(ref, "declare", self.url, s)
 
         self._check_open()
         self._two_phase(stage, range(len(self._shards)), partition_id)
@@ -419,7 +549,7 @@ class RayStore(Store):
 
         def stage(s: int, txn: str) -> Pending:
             ref = self._shards[s].stage_import.remote(txn, payloads[s], replace, ttl)
-            return RayPending(ref, "load", self.url)
+            return RayPending(ref, "load", self.url, s)
 
         self._two_phase(stage, range(len(self._shards)), ",".join(d.partition_id for d in dumps))
 

@@ -12,8 +12,9 @@
   nodes, where the socket cannot be reached, or when the URL says `transport=object_store`.
 
 Both start a request and return a `Pending`, so the client fans out to every shard before it
-waits. `Pending.result` raises transport failures as StoreTimeout or StoreError and error replies
-as their typed error; a `Reply`'s arrays may view an arena, so copy them before `release`.
+waits. `Pending.result` raises a shard that is gone (its actor dead, its socket closed) as ShardLost
+naming the shard, partition and keys, other transport failures as StoreTimeout or StoreError, and
+error replies as their typed error; a `Reply`'s arrays may view an arena, so copy them before `release`.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from storage.channel import ChannelClosed, Connection, Header
 from storage.columnar import AnyArray, Column, IntArray
-from storage.errors import StoreError, StoreTimeout
+from storage.errors import ShardLost, StoreError, StoreTimeout
 from storage.shm import ArenaError
 from storage.wire import check_header, keys_blob, message, open_message, pack_columns
 
@@ -47,6 +48,13 @@ def no_answer(partition_id: str, what: str, start: float) -> StoreTimeout:
 
 def lost(url: str, what: str, exc: BaseException) -> StoreError:
     return StoreError(f"{url}: {what} failed in a shard: {exc}; reopen the store")
+
+
+def gone(
+    url: str, shard: int, what: str, exc: BaseException, partition_id: str, keys: Sequence[str]
+) -> ShardLost:
+    """The shard's actor or socket is gone: the rows of `keys` it held are lost."""
+    return ShardLost(url, shard, partition_id, keys, f"{what}: {type(exc).__name__}: {exc}")
 
 
 def pick(keys: list[str], rows: IntArray) -> list[str]:
@@ -139,10 +147,12 @@ class Link(Protocol):
 
 
 class RayPending:
-    """A Ray actor call whose result is a `storage.wire` message (or None)."""
+    """A Ray actor call to shard `shard` whose result is a `storage.wire` message (or None);
+    `keys` are those the call is about (named when the shard is gone)."""
 
-    def __init__(self, ref: Any, what: str, url: str) -> None:
+    def __init__(self, ref: Any, what: str, url: str, shard: int, keys: Sequence[str] = ()) -> None:
         self._ref, self._what, self._url = ref, what, url
+        self._shard, self._keys = shard, keys
 
     def result(self, timeout: float, partition_id: str) -> Reply:
         start = time.monotonic()
@@ -150,6 +160,8 @@ class RayPending:
             reply = ray.get(self._ref, timeout=timeout)
         except GetTimeoutError as exc:
             raise no_answer(partition_id, self._what, start) from exc
+        except RayActorError as exc:
+            raise gone(self._url, self._shard, self._what, exc, partition_id, self._keys) from exc
         except RayError as exc:
             raise lost(self._url, self._what, exc) from exc
         if reply is None:
@@ -166,23 +178,27 @@ class RayLink:
 
     transport = "object_store"
 
-    def __init__(self, actor: Any, url: str) -> None:
-        self.actor, self._url = actor, url
+    def __init__(self, actor: Any, url: str, index: int) -> None:
+        self.actor, self._url, self.index = actor, url, index
 
-    def _call(self, what: str, ref: Any) -> RayPending:
-        return RayPending(ref, what, self._url)
+    def _call(self, what: str, ref: Any, keys: Sequence[str] = ()) -> RayPending:
+        return RayPending(ref, what, self._url, self.index, keys)
 
     def put(self, out: Outgoing, shard: int) -> Pending:
         rows = out.routes[shard]
-        keys = keys_blob(pick(out.keys, rows))
+        keys = pick(out.keys, rows)
         payload = out.payload(shard)
-        ref = self.actor.put.remote(out.partition_id, keys, rows, payload, out.overwrite, out.solo)
-        return self._call("put", ref)
+        ref = self.actor.put.remote(
+            out.partition_id, keys_blob(keys), rows, payload, out.overwrite, out.solo
+        )
+        return self._call("put", ref, keys)
 
     def prepare(self, txn: str, out: Outgoing, shard: int, ttl: float) -> Pending:
         rows = out.routes[shard]
-        args = (out.partition_id, keys_blob(pick(out.keys, rows)), rows, out.payload(shard))
-        return self._call("prepare", self.actor.prepare.remote(txn, *args, out.overwrite, ttl))
+        keys = pick(out.keys, rows)
+        args = (out.partition_id, keys_blob(keys), rows, out.payload(shard))
+        ref = self.actor.prepare.remote(txn, *args, out.overwrite, ttl)
+        return self._call("prepare", ref, keys)
 
     def commit(self, txn: str) -> Pending:
         return self._call("commit", self.actor.commit.remote(txn))
@@ -194,9 +210,8 @@ class RayLink:
         self, partition_id: str, keys: list[str], fields: list[str] | None, timeout: float
     ) -> Pending:
         names = json.dumps(fields).encode()
-        return self._call(
-            "get", self.actor.get.remote(partition_id, keys_blob(keys), names, timeout)
-        )
+        ref = self.actor.get.remote(partition_id, keys_blob(keys), names, timeout)
+        return self._call("get", ref, keys)
 
     def close(self) -> None:
         """Ray owns the actor handle: nothing to close."""
@@ -206,10 +221,13 @@ class RayLink:
 
 
 class LocalPending:
-    """A request sent on a pooled connection; the connection is busy until the reply is read."""
+    """A request sent on a pooled connection; the connection is busy until the reply is read.
+    `keys` are those the request is about (named when the shard is gone)."""
 
-    def __init__(self, link: LocalLink, conn: Connection, what: str) -> None:
-        self._link, self._what = link, what
+    def __init__(
+        self, link: LocalLink, conn: Connection, what: str, keys: Sequence[str] = ()
+    ) -> None:
+        self._link, self._what, self._keys = link, what, keys
         self._conn: Connection | None = conn
 
     def result(self, timeout: float, partition_id: str) -> Reply:
@@ -225,7 +243,11 @@ class LocalPending:
         except TimeoutError as exc:  # the reply may still come: the connection is unusable
             conn.close()
             raise no_answer(partition_id, self._what, start) from exc
-        except (OSError, ChannelClosed, ArenaError, ValueError, KeyError) as exc:
+        except (OSError, ChannelClosed) as exc:  # the shard's end of the socket is gone
+            conn.close()
+            link = self._link
+            raise gone(link.url, link.index, self._what, exc, partition_id, self._keys) from exc
+        except (ArenaError, ValueError, KeyError) as exc:
             conn.close()
             raise lost(self._link.url, self._what, exc) from exc
         try:
@@ -246,9 +268,9 @@ class LocalLink:
 
     transport = "shm"
 
-    def __init__(self, address: str, url: str, timeout: float) -> None:
+    def __init__(self, address: str, url: str, timeout: float, index: int) -> None:
         """Connects once (OSError or ChannelClosed when the local path does not work)."""
-        self.url = url
+        self.url, self.index = url, index
         self._address, self._timeout = address, timeout
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
@@ -273,19 +295,29 @@ class LocalLink:
                 return
         conn.close()
 
-    def _send(self, what: str, header: Header, arrays: Sequence[AnyArray] | None = None) -> Pending:
+    def _send(
+        self,
+        what: str,
+        header: Header,
+        arrays: Sequence[AnyArray] | None = None,
+        keys: Sequence[str] = (),
+    ) -> Pending:
+        partition_id = str(header.get("partition", ""))
         try:
             conn = self._acquire()
         except (OSError, ChannelClosed) as exc:
-            raise lost(self.url, what, exc) from exc
+            raise gone(self.url, self.index, what, exc, partition_id, keys) from exc
         try:
             if arrays is not None:
                 header = {**header, "arrays": conn.arena.write(arrays), "arena": conn.arena.size}
             conn.send({"op": what, **header})
-        except (OSError, ArenaError) as exc:
+        except OSError as exc:
+            conn.close()
+            raise gone(self.url, self.index, what, exc, partition_id, keys) from exc
+        except ArenaError as exc:
             conn.close()
             raise lost(self.url, what, exc) from exc
-        return LocalPending(self, conn, what)
+        return LocalPending(self, conn, what, keys)
 
     def _put_header(self, out: Outgoing, shard: int) -> tuple[Header, list[AnyArray]]:
         arrays: list[AnyArray] = []
@@ -296,11 +328,11 @@ class LocalLink:
 
     def put(self, out: Outgoing, shard: int) -> Pending:
         header, arrays = self._put_header(out, shard)
-        return self._send("put", {**header, "solo": out.solo}, arrays)
+        return self._send("put", {**header, "solo": out.solo}, arrays, header["keys"])
 
     def prepare(self, txn: str, out: Outgoing, shard: int, ttl: float) -> Pending:
         header, arrays = self._put_header(out, shard)
-        return self._send("prepare", {**header, "txn": txn, "ttl": ttl}, arrays)
+        return self._send("prepare", {**header, "txn": txn, "ttl": ttl}, arrays, header["keys"])
 
     def commit(self, txn: str) -> Pending:
         return self._send("commit", {"txn": txn})
@@ -312,7 +344,7 @@ class LocalLink:
         self, partition_id: str, keys: list[str], fields: list[str] | None, timeout: float
     ) -> Pending:
         header = {"partition": partition_id, "keys": keys, "fields": fields, "timeout": timeout}
-        return self._send("get", header)
+        return self._send("get", header, keys=keys)
 
     def close(self) -> None:
         with self._lock:

@@ -162,12 +162,14 @@ class StoreShard:
         _keep_freed_memory()
 
     async def config(self) -> bytes:
-        """Store name, index, shard count, owner token, node id, and the local socket (or None)."""
+        """Store name, index, shard count, owner token, node id, process id, and the local socket
+        (or None)."""
         if self._server is None and shm.available():
             with contextlib.suppress(OSError):  # no local path: clients use Ray calls
                 self._server = serve(new_address(), self._serve_local)
         address = self._server.address if self._server else None
-        return json.dumps({**self._config, "node": _node_id(), "socket": address}).encode()
+        node = {"node": _node_id(), "pid": os.getpid()}
+        return json.dumps({**self._config, **node, "socket": address}).encode()
 
     async def stats(self) -> bytes:
         """Requests served per verb and transport, open local connections, and this process."""

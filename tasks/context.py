@@ -49,14 +49,15 @@ class StageContext:
         return self.cfg.store.get_timeout_s
 
     def inject(self, stage: str, step: int, group: Any | None = None) -> None:
-        """Fire the ``faults`` entry due at this try of ``stage`` (infra.faults): ``raise`` and
-        ``exit_flow`` act here, ``delay`` and ``kill_worker`` on ``group``'s next call."""
+        """Fire the ``faults`` entry due at this try of ``stage`` (infra.faults): ``raise``,
+        ``exit_flow`` and ``kill_store_shard`` act here, ``delay`` and ``kill_worker`` on
+        ``group``'s next call."""
         if not self.faults.faults:
             return
         from prefect.runtime import task_run
 
         attempt = max(int(task_run.run_count or 1), 1)
         fault = self.faults.take(stage, step, attempt)
-        self.faults.fire_here(fault, f"{stage} at step {step}, attempt {attempt}")
-        if fault is not None and group is not None:
+        self.faults.fire_here(fault, f"{stage} at step {step}, attempt {attempt}", self.store)
+        if fault is not None and group is not None and fault.action in ("delay", "kill_worker"):
             group.arm(fault)

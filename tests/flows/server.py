@@ -117,6 +117,7 @@ class LocalServer:
     root: Path  # PREFECT_HOME, logs, run dirs
     env: dict[str, str]
     log: Path
+    proc: subprocess.Popen[bytes]  # the server's process (``stop_process`` ends it early)
 
     @property
     def ui_url(self) -> str:
@@ -174,7 +175,7 @@ def local_server(root: Path) -> Iterator[LocalServer]:
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--analytics-off"]
     with running(cmd, env=env, log=log) as proc:
         wait_healthy(url, proc, log, SERVER_START_TIMEOUT_S)
-        yield LocalServer(url=url, root=root, env=env, log=log)
+        yield LocalServer(url=url, root=root, env=env, log=log, proc=proc)
 
 
 # ---------------------------------------------------------------------- runs

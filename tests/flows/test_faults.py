@@ -1,5 +1,6 @@
 """Injected faults (the ``faults`` config) are survived: a late reply to ``update``, a stage that
-raises and a worker that dies end with the weights of a fault-free run; without restarts left
+raises, a store shard that is lost and a worker that dies end with the weights of a fault-free
+run; without restarts left
 the run fails naming the dead worker; a flow process that exits mid-checkpoint resumes to the
 same weights (tests/flows/test_kill_resume.py; tiny config, real Prefect, real Ray)."""
 
@@ -53,25 +54,30 @@ def fault_free(prefect_harness, ray_local, assets, tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_a_late_reply_a_raising_stage_and_a_dead_worker_end_with_the_fault_free_weights(
-    fault_free: Path, tiny_overrides, tmp_path: Path
+def test_a_late_reply_a_raising_stage_a_lost_store_shard_and_a_dead_worker_end_with_the_fault_free_weights(
+    fault_free: Path, tiny_overrides, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     run_dir = tmp_path / "faulty"
     faults = (
         "faults=["
         "{stage: update, step: 1, action: delay, seconds: 8},"
         "{stage: score, step: 2, action: raise},"
+        "{stage: advantage, step: 2, action: kill_store_shard},"
         "{stage: update, step: 3, action: kill_worker}]"
     )
     state = _flow(
-        tiny_overrides, run_dir, faults, "orchestration.call_timeout_s=5", "trainer.max_restarts=1"
+        tiny_overrides, run_dir, faults, "orchestration.call_timeout_s=5", "trainer.max_restarts=2"
     )
     assert state.is_completed(), state.message
     _assert_same_weights(fault_free, run_dir)
-    assert len(json.loads((run_dir / "faults-fired.json").read_text())) == 3  # each fired once
+    assert len(json.loads((run_dir / "faults-fired.json").read_text())) == 4  # each fired once
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(STEPS))  # the killed step is logged once
-    assert rows[-1]["trainer/restarts"] == 1.0
+    assert [r["step"] for r in rows] == list(range(STEPS))  # the killed steps are logged once
+    assert rows[-1]["trainer/restarts"] == 2.0
+    # the stage that needed the lost shard's rows named the partition and its keys
+    lost = [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()]
+    assert len(lost) == 2 and "shard 0 is lost" in lost[0], lost
+    assert "partition 'train/step-000002'" in lost[0] and "16 key(s)" in lost[0], lost[0]
 
 
 def test_a_dead_worker_with_no_restart_left_fails_the_run_naming_it(

@@ -1,6 +1,7 @@
-"""A run SIGKILLed in the middle of an iteration, and a run whose flow process exits in the middle
-of writing a checkpoint (the `faults` entry `exit_flow`), each resumed, end with the same weights
-as an uninterrupted run with the same seed (CPU, real subprocesses, real Ray and Prefect)."""
+"""A run SIGKILLed in the middle of an iteration, a run whose flow process exits in the middle
+of writing a checkpoint (the `faults` entry `exit_flow`), and a run whose Prefect server is
+stopped mid-run, each resumed, end with the same weights as an uninterrupted run with the same
+seed (CPU, real subprocesses, real Ray, a real local Prefect server)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,22 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(
         assert code == 0, output[-3000:]
         assert '"first_step": 2' in output, output[-2000:]
         _assert_same_weights(ref_dir, exit_dir)
+        # 5. The Prefect server the run reports to is stopped after its first step: training
+        # goes on without it to the end of this run's 4 steps and checkpoints; the command
+        # exits 1 naming the checkpoint; a later run (no server: a temporary one) resumes.
+        away_dir = tmp_path / "server-away"
+        command = _command(assets, away_dir, "trainer.steps_per_run=4")
+        _server_goes_away(command, away_dir / "metrics.jsonl", tmp, tmp_path)
+        rows = (away_dir / "metrics.jsonl").read_text().splitlines()
+        assert len(rows) == 4, rows
+        actor = away_dir / "checkpoints" / "step-000003" / "workers" / "actor"
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(actor)  # the checkpoint is usable as it is
+        code, output = _run_to_exit(_command(assets, away_dir), _env(tmp), tmp, tmp_path)
+        assert code == 0, output[-3000:]
+        assert '"first_step": 4' in output, output[-2000:]
+        _assert_same_weights(ref_dir, away_dir)
     finally:
         _kill_everything_under(tmp)
 
@@ -141,3 +158,33 @@ def _run_to_exit(command: list[str], env: dict[str, str], tmp: Path, logs: Path)
                 os.killpg(proc.pid, signal.SIGKILL)
             _kill_everything_under(tmp)
     return code, log.read_text()
+
+
+def _server_goes_away(command: list[str], metrics: Path, tmp: Path, logs: Path) -> None:
+    """Run ``command`` against a local Prefect server that is stopped once the run has logged a
+    step; the command must still finish its steps and exit 1, naming its latest checkpoint."""
+    from server import local_server, stop_process
+
+    with local_server(logs / "prefect-server") as server:
+        env = {**server.env, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+        log = logs / "server-away.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and proc.poll() is None:
+                if metrics.exists() and metrics.read_text().strip():
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, log.read_text()[-3000:]
+            stop_process(server.proc)
+            code = proc.wait(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            _kill_everything_under(tmp)
+    output = log.read_text()
+    assert code == 1, output[-3000:]
+    assert "stopped answering" in output and "step-000003" in output, output[-3000:]

@@ -93,3 +93,43 @@ def test_memory_stores_refuse_to_be_pickled() -> None:
 
     with pytest.raises(StoreError, match="ray://"):
         pickle.dumps(open_store("memory://"))
+
+
+@pytest.mark.parametrize("transport", ["auto", "object_store"])
+def test_a_lost_shard_names_its_partition_and_keys_and_recover_makes_it_anew(
+    ray_local: object, transport: str
+) -> None:
+    import pickle
+
+    from storage import ShardLost, StoreTimeout
+
+    store = open_store(
+        f"ray://lost-{uuid.uuid4().hex[:6]}?shards=2&timeout=20&transport={transport}"
+    )
+    assert isinstance(store, RayStore)
+    left, right = _keys_on(0, 3), _keys_on(1, 3)
+    pid = "train/step-000002"
+    store.kv_batch_put(left + right, pid, {"scores": torch.arange(6.0)})
+    store.kill_shard(1)
+    with pytest.raises(ShardLost) as lost:
+        store.kv_batch_get(left + right, pid, ["scores"], timeout=5)
+    err = lost.value
+    assert (err.shard, err.partition_id, sorted(err.keys)) == (1, pid, sorted(right))
+    assert "shard 1 is lost" in str(err) and repr(right[0]) in str(err), str(err)
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)  # crosses a Ray task as itself
+    with pytest.raises(ShardLost, match="shard 1"):
+        store.kv_batch_put(right[:1], "other", {"scores": torch.ones(1)})
+    with pytest.raises(ShardLost):
+        store.kv_list(pid)
+    # shard 0 keeps its rows; recover() makes shard 1 anew, empty
+    assert store.kv_batch_get(left, pid, ["scores"], timeout=5)["scores"].tolist() == [0, 1, 2]
+    assert store.recover() == [1]
+    assert store.recover() == []
+    with pytest.raises(StoreTimeout):  # the lost rows are missing, never made up
+        store.kv_batch_get(right, pid, ["scores"], timeout=0)
+    store.kv_batch_put(right, pid, {"scores": torch.tensor([3.0, 4.0, 5.0])})
+    guest = open_store(store.url)  # a worker opening the URL reaches the new shard
+    got = guest.kv_batch_get(left + right, pid, ["scores"], timeout=5)["scores"]
+    assert got.tolist() == [0, 1, 2, 3, 4, 5]
+    guest.close()
+    store.close()
