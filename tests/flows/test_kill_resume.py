@@ -165,7 +165,9 @@ def _server_goes_away(command: list[str], metrics: Path, tmp: Path, logs: Path) 
     step; the command must still finish its steps and exit 1, naming its latest checkpoint."""
     from server import local_server, stop_process
 
-    with local_server(logs / "prefect-server") as server:
+    root = logs / "prefect-server"
+    root.mkdir()
+    with local_server(root) as server:
         env = {**server.env, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
         log = logs / "server-away.log"
         with log.open("w") as out:
