@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-EVENTS_DRAIN_S = 30.0
+EVENTS_DRAIN_S = 10.0
 
 
 def _quiet_defaults() -> None:

@@ -11,13 +11,13 @@ Torch + transformers only. The recipe (see ``SFTSettings`` / ``RewardModelSettin
    synthetic wrong answer, or a malformed one. Its held-out pair accuracy (pairs built from
    held-out prompts only) is what makes or breaks RL on it: aim for ≥ 0.99.
 
-Every sequence is scored at its last real token, found from its length (never by looking for
-padding). Run the whole recipe with ``python -m infra.pretrain ROOT``.
+Responses come from the rollout's own engine (``infra.engines.hf``) and every sequence is
+scored by the reward scorer's ``last_token_scores``: at its last real token, found from its
+length (never by looking for padding). Run the whole recipe with ``python -m infra.pretrain ROOT``.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import random
 import time
@@ -36,6 +36,8 @@ from transformers import (
 )
 
 from infra.data import PromptRow, addition_rule, read_prompt_rows
+from infra.engines.hf import TransformersEngine
+from infra.reward_model import last_token_scores
 
 # --------------------------------------------------------------------------- tokens and batches
 
@@ -67,66 +69,35 @@ def _length_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width)[None, :] < lengths[:, None]  # (B, L) bool, True = real token
 
 
-def _cache_argument(model: PreTrainedModel) -> str:
-    """The key/value-cache keyword of ``model.forward`` (``cache`` since transformers 5.x)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-@torch.no_grad()
-def generate_responses(
+def sample_responses(
     model: PreTrainedModel,
-    prompt_ids: Sequence[Sequence[int]],
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Sequence[PromptRow],
     *,
-    eos_token_id: int,
-    pad_token_id: int,
-    max_new_tokens: int,
+    n: int,
     greedy: bool,
-    generator: torch.Generator | None = None,
-    temperature: float = 1.0,
+    max_new_tokens: int,
+    seed: int,
+    batch_size: int,
 ) -> list[list[int]]:
-    """Sample (or greedily decode) one response per prompt; a response keeps its EOS if it has one.
-
-    Prompts are left-padded, with position ids counted from each prompt's first real token, and
-    decoded with the model's key/value cache. Rows that finished stop growing.
-    """
-    width = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)  # (B, P)
-    mask = torch.zeros_like(ids)  # (B, P) 1 = real token
-    for row, prompt in enumerate(prompt_ids):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    done = torch.zeros(len(prompt_ids), dtype=torch.bool)  # (B,)
-    tokens: list[torch.Tensor] = []
-    keeps: list[torch.Tensor] = []
-    cache_arg = _cache_argument(model)
-    inputs, cache = ids, None
-    for _ in range(max_new_tokens):
-        out = model(
-            input_ids=inputs,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **{cache_arg: cache},
+    """``n`` responses per row (prompt-major: row i's are i*n .. i*n+n-1), greedy or sampled at
+    T=1, by the rollout's own engine over ``model`` as it is in memory; a response keeps its EOS
+    if it has one. Batch k of ``batch_size`` rows draws with seed ``seed + k``."""
+    engine = TransformersEngine(
+        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    prompts = [torch.tensor(render_prompt_ids(tokenizer, row.raw_prompt)) for row in rows]
+    responses: list[list[int]] = []
+    for batch, start in enumerate(range(0, len(prompts), batch_size)):
+        out = engine.generate(
+            prompts[start : start + batch_size],
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0 if greedy else 1.0,
+            seed=seed + batch,
         )
-        logits, cache = out.logits[:, -1], out[cache_arg]  # (B, V)
-        if greedy:
-            token = logits.argmax(-1)  # (B,)
-        else:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
-        token = torch.where(done, torch.full_like(token, pad_token_id), token)  # (B,)
-        tokens.append(token)
-        keeps.append(~done)
-        done = done | (token == eos_token_id)
-        if bool(done.all()):
-            break
-        inputs = token[:, None]  # (B, 1)
-        mask = torch.cat([mask, torch.ones_like(inputs)], dim=1)  # (B, P+t)
-        positions = positions[:, -1:] + 1  # (B, 1)
-    responses = torch.stack(tokens, dim=1)  # (B, T)
-    keep = torch.stack(keeps, dim=1)  # (B, T)
-    return [resp[k].tolist() for resp, k in zip(responses, keep)]
+        responses.extend(ids.tolist() for ids in out.response_ids)
+    return responses
 
 
 def decode_response(tokenizer: PreTrainedTokenizerBase, response_ids: Sequence[int]) -> str:
@@ -146,25 +117,21 @@ def evaluate_rule_accuracy(
 ) -> float:
     """Mean ``addition_rule`` over one generated response per row (greedy or sampled at T=1)."""
     was_training = model.training
-    model.eval()
-    generator = torch.Generator().manual_seed(seed)
-    correct = 0.0
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        responses = generate_responses(
-            model,
-            [render_prompt_ids(tokenizer, row.raw_prompt) for row in chunk],
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            max_new_tokens=max_new_tokens,
-            greedy=greedy,
-            generator=generator,
-        )
-        correct += sum(
-            addition_rule(decode_response(tokenizer, resp), row.ground_truth)
-            for resp, row in zip(responses, chunk)
-        )
+    responses = sample_responses(
+        model,
+        tokenizer,
+        rows,
+        n=1,
+        greedy=greedy,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        batch_size=batch_size,
+    )
     model.train(was_training)
+    correct = sum(
+        addition_rule(decode_response(tokenizer, resp), row.ground_truth)
+        for resp, row in zip(responses, rows)
+    )
     return correct / max(len(rows), 1)
 
 
@@ -457,20 +424,6 @@ class _Pair:
     kind: str
 
 
-def score_sequences(
-    model: PreTrainedModel, input_ids: torch.Tensor, lengths: torch.Tensor
-) -> torch.Tensor:
-    """One score per right-padded sequence, read at its last real token (``lengths - 1``).
-
-    ``input_ids`` (B, L), ``lengths`` (B,); returns (B,) float32. Works for any decoder-only
-    ``*ForSequenceClassification`` with a ``score`` head and ``num_labels=1``. With right padding
-    and causal attention a real token never attends to padding, so no attention mask is passed.
-    """
-    hidden = model.base_model(input_ids=input_ids).last_hidden_state  # (B, L, H)
-    last = hidden[torch.arange(input_ids.shape[0]), lengths - 1]  # (B, H)
-    return model.score(last).squeeze(-1).float()  # (B,)
-
-
 def _policy_rejections(
     policy_path: Path,
     tokenizer: PreTrainedTokenizerBase,
@@ -479,24 +432,23 @@ def _policy_rejections(
     seed: int,
 ) -> dict[str, list[list[int]]]:
     """Responses the SFT policy samples (T=1) that the rule marks wrong, by prompt uid."""
-    policy = LlamaForCausalLM.from_pretrained(policy_path).eval()
-    generator = torch.Generator().manual_seed(seed)
+    policy = LlamaForCausalLM.from_pretrained(policy_path)
+    n = settings.samples_per_prompt
+    responses = sample_responses(
+        policy,
+        tokenizer,
+        rows,
+        n=n,
+        greedy=False,
+        max_new_tokens=settings.max_new_tokens,
+        seed=seed,
+        batch_size=max(1, 1024 // n),
+    )
     pool: dict[str, list[list[int]]] = {row.uid: [] for row in rows}
-    repeated = [row for row in rows for _ in range(settings.samples_per_prompt)]
-    for start in range(0, len(repeated), 1024):
-        chunk = repeated[start : start + 1024]
-        responses = generate_responses(
-            policy,
-            [render_prompt_ids(tokenizer, row.raw_prompt) for row in chunk],
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            max_new_tokens=settings.max_new_tokens,
-            greedy=False,
-            generator=generator,
-        )
-        for row, resp in zip(chunk, responses):
-            if addition_rule(decode_response(tokenizer, resp), row.ground_truth) == 0.0:
-                pool[row.uid].append(resp)
+    for index, resp in enumerate(responses):
+        row = rows[index // n]
+        if addition_rule(decode_response(tokenizer, resp), row.ground_truth) == 0.0:
+            pool[row.uid].append(resp)
     return pool
 
 
@@ -527,7 +479,7 @@ def _pair_scores(
     """Scores (chosen (N,), rejected (N,)) in one forward pass over the 2N sequences."""
     seqs = [[*p.prompt, *p.chosen] for p in pairs] + [[*p.prompt, *p.rejected] for p in pairs]
     ids, lengths = pad_right(seqs, pad_id)  # (2N, L)
-    scores = score_sequences(model, ids, lengths)  # (2N,)
+    scores = last_token_scores(model, ids, lengths)  # (2N,)
     return scores[: len(pairs)], scores[len(pairs) :]
 
 

@@ -90,9 +90,6 @@ class RewardScorer:
         self.batch_size = batch_size
         pad = self.tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
-        self._has_score_head = isinstance(getattr(model, "score", None), torch.nn.Module) and (
-            model.base_model is not model
-        )
         self._residency = ModuleResidency(self.model, self._device)
 
     # -- Sleepable -----------------------------------------------------------------------------
@@ -167,22 +164,33 @@ class RewardScorer:
     def _score_batch(self, rows: list[Tensor]) -> Tensor:
         """Scores (b,) float32 on the CPU for right-padded rows, each at its last real token."""
         lengths = torch.tensor([row.numel() for row in rows])  # (b,)
-        width = int(lengths.max())
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)  # (b, L)
+        input_ids = torch.full((len(rows), int(lengths.max())), self._pad_id, dtype=torch.long)
         for index, row in enumerate(rows):
-            input_ids[index, : row.numel()] = row
-        mask = torch.arange(width)[None, :] < lengths[:, None]  # (b, L) bool, True = real token
-        input_ids, mask = input_ids.to(self._device), mask.to(self._device)
-        if not self._has_score_head:
-            logits = self.model(input_ids=input_ids, attention_mask=mask.long()).logits  # (b, 1)
-            return logits[:, 0].float().cpu()
-        hidden = self.model.base_model(
-            input_ids=input_ids, attention_mask=mask.long(), use_cache=False
-        ).last_hidden_state  # (b, L, H)
-        last = (lengths - 1).to(self._device)  # (b,) every row has >= 1 token
-        pooled = hidden[torch.arange(len(rows), device=self._device), last]  # (b, H)
-        head = cast(torch.nn.Module, self.model.score)
-        return head(pooled)[:, 0].float().cpu()
+            input_ids[index, : row.numel()] = row  # (b, L)
+        scores = last_token_scores(self.model, input_ids.to(self._device), lengths.to(self._device))
+        return scores.cpu()
+
+
+def last_token_scores(model: PreTrainedModel, input_ids: Tensor, lengths: Tensor) -> Tensor:
+    """One score per right-padded row of ``input_ids`` (B, L), read at its last real token
+    (``lengths`` (B,), each >= 1, say where it is: padding is never looked for); (B,) float32.
+
+    A ``*ForSequenceClassification`` model with a ``score`` head is read on the final hidden
+    state at that token; any other model must pool by itself (``logits`` (B, 1)). Gradients flow:
+    reward-model training scores its pairs with this, the scorer calls it in inference mode.
+    """
+    width = input_ids.shape[1]
+    positions = torch.arange(width, device=input_ids.device)
+    mask = (positions[None, :] < lengths[:, None]).long()  # (B, L) 1 = real token
+    head = getattr(model, "score", None)
+    if not isinstance(head, torch.nn.Module) or model.base_model is model:
+        return model(input_ids=input_ids, attention_mask=mask).logits[:, 0].float()
+    hidden = model.base_model(
+        input_ids=input_ids, attention_mask=mask, use_cache=False
+    ).last_hidden_state  # (B, L, H)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    pooled = hidden[rows, lengths - 1]  # (B, H)
+    return cast(Tensor, head(pooled)[:, 0].float())
 
 
 def tokenizers_match(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:

@@ -33,6 +33,7 @@ __all__ = [
     "ValueLossOutput",
     "actor_loss",
     "aggregate_loss",
+    "check_dual_clip",
     "count_loss_units",
     "entropy_from_logits",
     "ppo_policy_loss",
@@ -97,6 +98,12 @@ class PolicyLossOutput:
     approx_kl: Tensor
 
 
+def check_dual_clip(dual_clip: float | None) -> None:
+    """The dual clip caps the loss of negative advantages at ``dual_clip`` times: > 1, or None."""
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
+
+
 def ppo_policy_loss(
     *,
     logprobs: Tensor,
@@ -117,8 +124,7 @@ def ppo_policy_loss(
     4. Aggregate; clipfrac = share of real tokens where the clipped term won;
        approx_kl = mean(old_logprobs − logprobs) over real tokens.
     """
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
+    check_dual_clip(dual_clip)
     # 1.
     log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)

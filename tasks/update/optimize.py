@@ -31,10 +31,11 @@ from tasks.batching import (
     gather_response_values,
     logprobs_from_response_logits,
 )
-from tasks.kl import KL_PENALTIES
+from tasks.kl import KL_PENALTIES, kl_penalty
 from tasks.update.core import (
     AGGREGATIONS,
     actor_loss,
+    check_dual_clip,
     count_loss_units,
     entropy_from_logits,
     value_loss,
@@ -107,8 +108,7 @@ class ActorUpdateSettings:
             raise ValueError(
                 f"kl_loss_kind {self.kl_loss_kind!r} is not one of {sorted(KL_PENALTIES)}"
             )
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        check_dual_clip(self.dual_clip)
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
@@ -306,7 +306,8 @@ def _actor_micro_step(
     if old_logprobs is None:  # one on-policy step: the weights have not moved yet
         old_logprobs = logprobs.detach()  # (b, T)
         if "ref_logprobs" in mb_tensors:
-            kl = KL_PENALTIES["k1"](old_logprobs - mb_tensors["ref_logprobs"])  # (b, T)
+            ref = mb_tensors["ref_logprobs"]
+            kl = kl_penalty(logprobs=old_logprobs, ref_logprobs=ref, kind="k1")  # (b, T)
             token_means["actor/kl_to_ref"] = float(kl[mb.response_mask].mean().nan_to_num())
     out = actor_loss(
         logprobs=logprobs,

@@ -169,6 +169,7 @@ def _server_goes_away(command: list[str], metrics: Path, tmp: Path, logs: Path) 
     root.mkdir()
     with local_server(root) as server:
         env = {**server.env, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+        env["PREFECT_CLIENT_MAX_RETRIES"] = "1"  # the final-state retries: seconds, not a minute
         log = logs / "server-away.log"
         with log.open("w") as out:
             proc = subprocess.Popen(

@@ -19,17 +19,17 @@ from infra.pretrain import (
     answer_ids,
     careless_answer,
     evaluate_rule_accuracy,
-    generate_responses,
     malformed_answer,
     near_miss_answer,
     pad_right,
     render_prompt_ids,
     response_nll,
-    score_sequences,
+    sample_responses,
     sft_warmstart,
     train_reward_model,
     wrong_answer,
 )
+from infra.reward_model import last_token_scores
 
 SFT_SMALL = SFTSettings(steps=60, max_seconds=None, batch_size=32, lr=3e-3, eval_rows=100)
 RM_SMALL = RewardModelSettings(
@@ -89,45 +89,43 @@ def _naive_greedy(model: LlamaForCausalLM, prompt: list[int], eos: int, steps: i
     return ids[len(prompt) :]
 
 
+def _rows(texts: list[str]) -> list[PromptRow]:
+    return [
+        PromptRow(uid=f"r{i}", raw_prompt=[{"role": "user", "content": t}], ground_truth="0")
+        for i, t in enumerate(texts)
+    ]
+
+
 @torch.no_grad()
-def test_batched_cached_greedy_matches_naive_decoding(tiny_assets: AssetPaths) -> None:
+def test_greedy_responses_through_the_engine_match_naive_decoding(tiny_assets: AssetPaths) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets.tokenizer)
     model = LlamaForCausalLM.from_pretrained(tiny_assets.policy).eval()
-    prompts = [
-        render_prompt_ids(tokenizer, [{"role": "user", "content": text}])
-        for text in ("12+34=", "9+9=", "99+10=", "5=")  # ragged lengths exercise left padding
-    ]
+    rows = _rows(["12+34=", "9+9=", "99+10=", "5="])  # ragged lengths exercise left padding
     eos = tokenizer.eos_token_id
-    batched = generate_responses(
-        model,
-        prompts,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        max_new_tokens=6,
-        greedy=True,
+    batched = sample_responses(
+        model, tokenizer, rows, n=1, greedy=True, max_new_tokens=6, seed=0, batch_size=3
     )
+    prompts = [render_prompt_ids(tokenizer, row.raw_prompt) for row in rows]
     assert batched == [_naive_greedy(model, p, eos, 6) for p in prompts]
     assert all(len(r) <= 6 and eos not in r[:-1] for r in batched)
 
 
-def test_sampling_is_seeded(tiny_assets: AssetPaths) -> None:
+def test_sampling_is_seeded_and_prompt_major(tiny_assets: AssetPaths) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets.tokenizer)
     model = LlamaForCausalLM.from_pretrained(tiny_assets.policy).eval()
-    prompts = [render_prompt_ids(tokenizer, [{"role": "user", "content": "12+34="}])] * 16
+    rows = _rows(["12+34=", "5="])
 
     def sample(seed: int) -> list[list[int]]:
-        return generate_responses(
-            model,
-            prompts,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            max_new_tokens=6,
-            greedy=False,
-            generator=torch.Generator().manual_seed(seed),
+        return sample_responses(
+            model, tokenizer, rows, n=8, greedy=False, max_new_tokens=6, seed=seed, batch_size=2
         )
 
-    assert sample(0) == sample(0)
-    assert sample(0) != sample(1)
+    first = sample(0)
+    assert len(first) == 16 and first == sample(0) and first != sample(1)
+    greedy = sample_responses(
+        model, tokenizer, rows, n=3, greedy=True, max_new_tokens=6, seed=0, batch_size=2
+    )
+    assert greedy[:3] == [greedy[0]] * 3 and greedy[3:] == [greedy[3]] * 3  # row i: i*n ..
 
 
 @torch.no_grad()
@@ -137,15 +135,15 @@ def test_score_is_read_at_the_last_real_token_whatever_the_padding(tiny_assets: 
     prompt = render_prompt_ids(tokenizer, [{"role": "user", "content": "12+34="}])
     seqs = [[*prompt, *answer_ids(tokenizer, a)] for a in ("46", "4", "146")]
     ids, lengths = pad_right(seqs, tokenizer.pad_token_id)  # (3, L)
-    batched = score_sequences(model, ids, lengths)  # (3,)
+    batched = last_token_scores(model, ids, lengths)  # (3,)
     alone = torch.cat(
-        [score_sequences(model, torch.tensor([s]), torch.tensor([len(s)])) for s in seqs]
+        [last_token_scores(model, torch.tensor([s]), torch.tensor([len(s)])) for s in seqs]
     )
     torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
     # A pad id equal to a real token must not matter: positions come from lengths.
     ids_eos_pad, _ = pad_right(seqs, tokenizer.eos_token_id)
     torch.testing.assert_close(
-        score_sequences(model, ids_eos_pad, lengths), batched, rtol=1e-5, atol=1e-5
+        last_token_scores(model, ids_eos_pad, lengths), batched, rtol=1e-5, atol=1e-5
     )
 
 
