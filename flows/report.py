@@ -8,19 +8,22 @@ Prefect UI renders ``data:image/...`` sources in markdown artifacts, and the ima
 the server's database, unlike a link to a file on the training machine). It is refreshed with
 the metrics table, at most every ``trainer.artifact_interval_s``, in place (one version).
 
-Training never waits on the Prefect API: an artifact call is made once, without the client's
-retries, and when the API does not answer the report warns once, skips artifacts for
-``API_BACKOFF_S`` (or the artifact interval, if longer) and brings them up to date at the next
-publish that gets through. Events are queued by Prefect and sent in the background.
+Training never waits on the Prefect API: artifacts are updated by a thread of the report's own
+(in the flow run's context, the latest request winning), and when the API does not answer the
+report warns once, skips artifacts for ``API_BACKOFF_S`` (or the artifact interval, if longer)
+and brings them up to date at the next update that gets through; ``close`` waits at most
+``CLOSE_WAIT_S`` for the last one. Events are queued by Prefect and sent in the background.
 """
 
 from __future__ import annotations
 
 import base64
+import contextvars
 import json
 import math
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -36,7 +39,6 @@ from prefect.artifacts import (
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.events import emit_event
-from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from flows.plot import curves_png
 from flows.trackers import JSONL, Tracker, TrackerRun, check_names, open_tracker
@@ -48,6 +50,7 @@ ITERATION_EVENT = "ppoflow.iteration.completed"
 ALERT_EVENT = "ppoflow.metric.alert"
 RESTART_EVENT = "ppoflow.worker.restarted"
 API_BACKOFF_S = 30.0  # how long artifacts are skipped after the Prefect API did not answer
+CLOSE_WAIT_S = 30.0  # how long ``close`` waits for the last artifact update
 TABLE_COLUMNS = (
     "step",
     "critic/score/mean",
@@ -112,6 +115,12 @@ class RunReport:
         self.curves_id: UUID | None = None
         self._api_down_until = -math.inf  # artifacts are skipped until then (see the docstring)
         self._api_warned = False
+        self._start_step = start_step
+        self._lock = threading.Condition()  # guards _unpublished, _wanted, _closing
+        self._wanted = False  # an artifact update is asked of the publisher thread
+        self._closing = False
+        self._busy = False  # the publisher thread is updating artifacts
+        self._publisher: threading.Thread | None = None
         self.alerts = list(alerts)
         self._outside = [False] * len(self.alerts)  # per alert: was its last value outside?
         check_names(loggers)
@@ -122,13 +131,12 @@ class RunReport:
         print(f"[{self.name}] {what}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
     def _api(self, what: str, call: Callable[[], R]) -> R | None:
-        """``call()`` (one Prefect API request, no client retries); None when the API is down
-        or does not answer (warned once per outage)."""
+        """``call()`` (Prefect API requests); None when the API is down or does not answer
+        (warned once per outage)."""
         if time.monotonic() < self._api_down_until:
             return None
         try:
-            with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}):
-                result = call()
+            result = call()
         except Exception as exc:  # noqa: BLE001 - the UI's records never stop a run
             self._api_down_until = time.monotonic() + max(API_BACKOFF_S, self.artifact_interval_s)
             if not self._api_warned:
@@ -162,17 +170,16 @@ class RunReport:
         return rows
 
     def start(self, step: int) -> None:
-        self.progress_id = self._api(
-            "progress artifact",
-            lambda: cast(
-                UUID,
-                create_progress_artifact(  # sync inside a flow
-                    progress=100.0 * step / self.total,
-                    key=artifact_key(self.name, "progress"),
-                    description=f"ppoflow run {self.name}: steps done / {self.total}",
-                ),
-            ),
+        """Start the publisher thread (its first update creates the progress artifact)."""
+        self._start_step = step
+        self._publisher = threading.Thread(  # in the flow run's context: artifacts belong to it
+            target=contextvars.copy_context().run,
+            args=(self._publish_loop,),
+            daemon=True,
+            name=f"ppoflow-artifacts-{self.name}",
         )
+        self._publisher.start()
+        self._request()
         if self.want_bar and sys.stderr.isatty():
             from rich.progress import (
                 BarColumn,
@@ -200,10 +207,12 @@ class RunReport:
             fh.write(json.dumps(row) + "\n")
         self._track(step, {k: v for k, v in row.items() if k != "step"})
         self._check_alerts(step, row)
-        self._unpublished = step
+        with self._lock:
+            self._unpublished = step
         due = time.monotonic() - self._published_at >= self.artifact_interval_s
         if due or step + 1 >= self.total:
-            self._publish()
+            self._published_at = time.monotonic()
+            self._request()
         self._show(step, row)
         emit_event(
             event=ITERATION_EVENT,
@@ -259,9 +268,9 @@ class RunReport:
                 )
             self._outside[i] = now_outside
 
-    def _publish_curves(self) -> None:
+    def _publish_curves(self, rows: list[dict[str, Any]]) -> None:
         """The curves artifact: created on the first publish, then updated in place."""
-        text = curves_markdown(self.rows, self.name)
+        text = curves_markdown(rows, self.name)
         if self.curves_id is not None:
             with get_client(sync_client=True) as client:
                 client.update_artifact(self.curves_id, ArtifactUpdate(data=text))
@@ -275,30 +284,80 @@ class RunReport:
             ),
         )
 
-    def _publish(self) -> None:
-        """Bring the metrics table, the curves and the progress artifact up to the last logged
-        step (kept pending when the API does not answer)."""
-        if self._unpublished is None:
+    def _request(self) -> None:
+        """Ask for an artifact update: on the publisher thread once started, else here."""
+        if self._publisher is None:
+            self._publish()
             return
-        step = self._unpublished
-        self._published_at = time.monotonic()
+        with self._lock:
+            self._wanted = True
+            self._lock.notify_all()
+
+    def _publish_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._wanted and not self._closing:
+                    self._lock.wait()
+                if not self._wanted:
+                    return
+                self._wanted, self._busy = False, True
+            try:
+                self._publish()
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._lock.notify_all()
+
+    def flush(self, timeout: float = CLOSE_WAIT_S) -> bool:
+        """Wait until the artifact updates asked for so far are done; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._publisher is not None and (self._wanted or self._busy):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    def _publish(self) -> None:
+        """Bring the progress artifact, the metrics table and the curves up to the last logged
+        step (kept pending when the API does not answer)."""
+        if self.progress_id is None:
+            self.progress_id = self._api(
+                "progress artifact",
+                lambda: cast(
+                    UUID,
+                    create_progress_artifact(
+                        progress=100.0 * self._start_step / self.total,
+                        key=artifact_key(self.name, "progress"),
+                        description=f"ppoflow run {self.name}: steps done / {self.total}",
+                    ),
+                ),
+            )
+        with self._lock:
+            step = self._unpublished
+        if step is None:
+            return
         if self._api("metrics artifacts", lambda: self._publish_all(step)) is not None:
-            self._unpublished = None
+            with self._lock:
+                if self._unpublished == step:
+                    self._unpublished = None
 
     def _publish_all(self, step: int) -> bool:
+        rows = list(self.rows)
         table = [
             {
                 c: (round(r[c], 5) if isinstance(r.get(c), float) else r.get(c))
                 for c in TABLE_COLUMNS
             }
-            for r in self.rows
+            for r in rows
         ]
         create_table_artifact(
             table=table,
             key=artifact_key(self.name, "metrics"),
             description=f"per-step metrics of run {self.name}",
         )
-        self._publish_curves()
+        self._publish_curves(rows)
         if self.progress_id is not None:
             update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
         return True
@@ -323,7 +382,23 @@ class RunReport:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
-        self._publish()
+        if self._publisher is None:
+            self._publish()
+        else:
+            with self._lock:
+                self._wanted = self._unpublished is not None or self._wanted
+                self._closing = True
+                self._lock.notify_all()
+            self._publisher.join(timeout=CLOSE_WAIT_S)
+            if self._publisher.is_alive():
+                print(
+                    f"[{self.name}] the last artifact update did not finish within "
+                    f"{CLOSE_WAIT_S:.0f} s (the Prefect API is slow or gone); metrics.jsonl has "
+                    "every row",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._publisher = None
         for name, tracker in self.trackers.items():
             try:
                 tracker.close()
