@@ -116,7 +116,7 @@ class RunReport:
         self._api_down_until = -math.inf  # artifacts are skipped until then (see the docstring)
         self._api_warned = False
         self._start_step = start_step
-        self._lock = threading.Condition()  # guards _unpublished, _wanted, _closing
+        self._lock = threading.Condition()  # guards _unpublished, _wanted, _closing, _busy
         self._wanted = False  # an artifact update is asked of the publisher thread
         self._closing = False
         self._busy = False  # the publisher thread is updating artifacts

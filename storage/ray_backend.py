@@ -92,7 +92,7 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return Path(f"/proc/{pid}").exists() and "Z" not in _proc_state(pid)
+    return _proc_state(pid) != "Z"  # a zombie has exited; only its parent has not reaped it
 
 
 def _proc_state(pid: int) -> str:
