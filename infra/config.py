@@ -23,6 +23,7 @@ Logger = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 # Each tracker beside metrics.jsonl: the optional extra that brings it, named as its module.
 LOGGER_EXTRAS = ("tensorboard", "wandb", "mlflow")
 Mode = Literal["sync", "colocate_async", "separate_async"]
+Strategy = Literal["fsdp2", "none"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLKind = Literal["k1", "abs", "k2", "k3"]
 
@@ -64,7 +65,12 @@ class ModelsConfig(_Section):
         None, description="Critic init; None = the policy weights with a new value head."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Model dtype on the device."
+        "float32",
+        description=(
+            "Compute dtype. Trained models (actor, critic) keep float32 master weights, optimizer "
+            "state and gradient reduction and compute in this dtype (FSDP2's mixed precision, "
+            "or autocast without it); frozen models and the rollout engine hold it."
+        ),
     )
 
 
@@ -104,6 +110,15 @@ class RolloutConfig(_Section):
         0.0, ge=0, description="Sampling temperature of validation (0 = greedy)."
     )
     val_n: int = Field(1, ge=1, description="Validation samples per prompt (the n of mean@n).")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vLLM: the share of each GPU's memory the engine may take."
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="vLLM: GPUs one engine's model is split over (tensor parallelism)."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="vLLM: longest prompt + response (None = the model's own limit)."
+    )
 
 
 class RewardFunctionConfig(_Section):
@@ -280,6 +295,25 @@ class OptimConfig(_Section):
         "token-mean", description="Loss aggregation over tokens and sequences."
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping.")
+    strategy: Strategy | None = Field(
+        None,
+        description=(
+            "Training engine: 'fsdp2' (torch fully_shard: parameters, gradients and optimizer "
+            "state sharded over the training workers) or 'none' (one worker, a plain module). "
+            "None = 'fsdp2' when resources.num_workers > 1, else 'none'."
+        ),
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (the model's own checkpointing)."
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Token budget of a micro-batch (rows x its longest row): samples sorted by length "
+            "and packed up to it, instead of micro_batch_size rows (None = fixed rows)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _micro_divides_mini(self) -> OptimConfig:
@@ -288,6 +322,38 @@ class OptimConfig(_Section):
                 f"mini_batch_size={self.mini_batch_size} must be a multiple of micro_batch_size={self.micro_batch_size}"
             )
         return self
+
+
+class LoraConfig(_Section):
+    """LoRA adapters on the actor (peft): only the adapters train, the reference policy is the
+    same weights with the adapter disabled."""
+
+    rank: int = Field(8, ge=1, description="Adapter rank r.")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator (the update is alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] | str = Field(
+        "all-linear",
+        description="Module names the adapters wrap (peft's target_modules; 'all-linear' = every linear layer but the head).",
+    )
+
+
+class ActorOptimConfig(OptimConfig):
+    """The actor's optimisation: as the critic's, plus LoRA."""
+
+    lora: LoraConfig | None = Field(None, description="LoRA adapters (None = full fine-tuning).")
+
+
+class LogprobsConfig(_Section):
+    """The forward-only passes of the logprobs stage (old log-probs, reference, values)."""
+
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Rows per forward pass (None = actor.micro_batch_size)."
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget per forward pass (None = actor.max_tokens_per_micro_batch).",
+    )
 
 
 class CriticOptimConfig(OptimConfig):
@@ -451,8 +517,9 @@ class TrainConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    actor: OptimConfig = Field(default_factory=OptimConfig)
+    actor: ActorOptimConfig = Field(default_factory=ActorOptimConfig)
     critic: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
+    logprobs: LogprobsConfig = Field(default_factory=LogprobsConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
@@ -491,6 +558,25 @@ class TrainConfig(_Section):
                 "pauses, so the devices the reward model would wake on are never free. "
                 "Set reward.pool='own' to give the reward model its own pool, or use mode 'sync' / 'colocate_async'."
             )
+        workers = self.resources.num_workers
+        for role in ("actor", "critic"):
+            if getattr(self, role).strategy == "none" and workers > 1:
+                raise ValueError(
+                    f"{role}.strategy='none' trains on one worker but resources.num_workers={workers}: "
+                    f"set {role}.strategy=fsdp2 or resources.num_workers=1"
+                )
+        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+        for key, budget in (
+            ("actor", self.actor.max_tokens_per_micro_batch),
+            ("critic", self.critic.max_tokens_per_micro_batch),
+            ("logprobs", self.logprobs.max_tokens_per_micro_batch),
+        ):
+            if budget is not None and budget < longest:
+                raise ValueError(
+                    f"{key}.max_tokens_per_micro_batch={budget} is below the longest sample "
+                    f"(data.max_prompt_length + rollout.max_new_tokens = {longest}): raise it to "
+                    f"at least {longest}"
+                )
         if self.batch_size % self.resources.num_workers:
             raise ValueError(
                 f"rollout.prompts_per_step * rollout.n = {self.batch_size} must be divisible by "
@@ -510,6 +596,21 @@ class TrainConfig(_Section):
         if self.models.reward_model is not None:
             return True
         return self.warm_start and self.reward.model_weight != 0
+
+    def strategy(self, role: Literal["actor", "critic"]) -> Strategy:
+        """The training engine of ``role`` (``<role>.strategy``, resolved)."""
+        chosen = getattr(self, role).strategy
+        if chosen is not None:
+            return chosen  # type: ignore[no-any-return]
+        return "fsdp2" if self.resources.num_workers > 1 else "none"
+
+    @property
+    def logprobs_micro_batch_size(self) -> int:
+        return self.logprobs.micro_batch_size or self.actor.micro_batch_size
+
+    @property
+    def logprobs_max_tokens(self) -> int | None:
+        return self.logprobs.max_tokens_per_micro_batch or self.actor.max_tokens_per_micro_batch
 
     @property
     def batch_size(self) -> int:
