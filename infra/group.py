@@ -72,9 +72,14 @@ class WorkerGroup:
         ]
         # Loading the models may take longer than one call may: startup has its own bound.
         ray.get([w.ping.remote() for w in self.workers], timeout=max(self.call_timeout_s, 600.0))
-        if world > 1:
+        if world > 1 or self._sharded_alone():
             address = self.get(self.workers[0].rendezvous_address.remote(), "rendezvous_address")
             self.get([w.join_group.remote(address) for w in self.workers], "join_group")
+
+    def _sharded_alone(self) -> bool:
+        """One trainer with ``fsdp2`` asked for: it needs a (one-worker) group too."""
+        cfg = self.spec.cfg
+        return "actor" in self.spec.roles and "fsdp2" in (cfg.actor.strategy, cfg.critic.strategy)
 
     def restart(self) -> None:
         """Replace every worker with a fresh one (models loaded anew from ``spec``)."""

@@ -10,10 +10,12 @@ process moves only ``BatchMeta`` handles and metrics. Roles in one worker share 
 take turns through a ``ColocatedGroup``: a role is put back to sleep when its block ends, even
 when the compute raises. ``WorkerGroup`` (infra.group) runs workers as Ray actors in a pool.
 
-Data-parallel workers (``world_size > 1``) join a torch.distributed group (gloo on CPU, nccl on
-CUDA) that meets on rank 0's node (``rendezvous_address``, ``join_group``), so they may run on
-different nodes; the update step sums their gradients (each worker's loss is already divided by the
-global token or sequence count, so N workers make the same update as one).
+Data-parallel workers (``world_size > 1``, or ``fsdp2`` on one) join a torch.distributed group
+(gloo on CPU, nccl on CUDA) that meets on rank 0's node (``rendezvous_address``, ``join_group``),
+so they may run on different nodes. Trained models are wrapped by their strategy
+(``infra.training``): under ``fsdp2`` their parameters, gradients and optimizer state are sharded
+over the group and the gradients summed (each worker's loss is already divided by the global token
+or sequence count, so N workers make the same update as one).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 ROLES = ("rollout", "reward", "actor", "ref", "critic")
+SHARDABLE = ("actor", "ref", "critic")  # roles whose models a training strategy may shard
 
 
 @dataclass(frozen=True)
@@ -96,21 +99,6 @@ def _warmup_lambda(warmup: int):  # noqa: ANN202 - a LambdaLR closure
     return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
 
 
-def _load_weights(module: torch.nn.Module, path: Path) -> None:
-    """Load a ``save_pretrained`` safetensors file; only tied duplicates may be absent from it."""
-    from safetensors.torch import load_file
-
-    state = load_file(path)
-    result = module.load_state_dict(state, strict=False)
-    params = dict(module.named_parameters(remove_duplicate=False))
-    loaded = {id(params[k]) for k in state if k in params}
-    untied = [k for k in result.missing_keys if k not in params or id(params[k]) not in loaded]
-    if untied or result.unexpected_keys:
-        raise RuntimeError(
-            f"checkpoint {path} does not match the model: missing {untied}, unexpected {result.unexpected_keys}"
-        )
-
-
 class ModelWorker:
     """Holds models for some roles on one device and runs worker-side steps; see the module
     docstring."""
@@ -140,6 +128,14 @@ class ModelWorker:
         for role in spec.roles:
             if role not in ROLES:
                 raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+        # Sharded models are built once the group exists (``join_group``); the rest now.
+        self.deferred = tuple(
+            r for r in spec.roles if r in SHARDABLE and self.strategy(r) == "fsdp2"
+        )
+        self._build([r for r in spec.roles if r not in self.deferred])
+
+    def _build(self, roles: list[str] | tuple[str, ...]) -> None:
+        for role in roles:
             getattr(self, f"_build_{role}")()
             self.group.put_all_to_sleep()  # models load awake; each waits asleep for its turn
 
@@ -154,7 +150,8 @@ class ModelWorker:
         return f"{ray.util.get_node_ip_address()}:{port}"
 
     def join_group(self, address: str) -> None:
-        """Join the data-parallel torch.distributed group meeting at ``address``."""
+        """Join the data-parallel torch.distributed group meeting at ``address``, then build the
+        models it shards (``deferred``)."""
         import torch.distributed as dist
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -164,6 +161,7 @@ class ModelWorker:
             rank=self.spec.rank,
             world_size=self.spec.world_size,
         )
+        self._build(self.deferred)
 
     def _build_rollout(self) -> None:
         from infra.engines import make_engine
@@ -192,33 +190,72 @@ class ModelWorker:
         )
         self.group.register("reward", self.scorer)
 
-    def _make_trainable(self, model: torch.nn.Module, optim: OptimConfig) -> Any:
-        from infra.colocate import TrainableModel
+    def strategy(self, role: str) -> str:
+        """The training engine of ``role`` (``actor``/``critic``; the reference follows the
+        actor): ``<role>.strategy``, else ``fsdp2`` with more than one data-parallel worker."""
+        chosen = getattr(self.cfg, "critic" if role == "critic" else "actor").strategy
+        if chosen is None:
+            return "fsdp2" if self.spec.world_size > 1 else "none"
+        if chosen == "none" and self.spec.world_size > 1:
+            raise ValueError(
+                f"{role}.strategy='none' trains on one worker but this pool has "
+                f"{self.spec.world_size}: set {role}.strategy=fsdp2"
+            )
+        return str(chosen)
 
-        model.to(self.device)
+    def _make_trainable(self, model: torch.nn.Module, optim: OptimConfig, role: str) -> Any:
+        from infra.colocate import TrainableModel
+        from infra.training import prepare_trainable
+
+        fuse_activations(model)
+        module = prepare_trainable(
+            model,
+            strategy=self.strategy(role),
+            compute_dtype=self.dtype,
+            device=self.device,
+            gradient_checkpointing=optim.gradient_checkpointing,
+        )
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, eps=1e-8
+            [p for p in module.parameters() if p.requires_grad],
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            eps=1e-8,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_lambda(optim.warmup_steps))
-        return TrainableModel(model, optimizer, device=str(self.device), scheduler=scheduler)
+        return TrainableModel(module, optimizer, device=str(self.device), scheduler=scheduler)
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.actor.lora is not None
 
     def _build_actor(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.spec.policy_path, dtype=self.dtype)
-        fuse_activations(model)
-        self.actor = self._make_trainable(model, self.cfg.actor)
+        model = AutoModelForCausalLM.from_pretrained(self.spec.policy_path, dtype=torch.float32)
+        if self.cfg.actor.lora is not None:
+            from infra.lora import apply_lora
+
+            model = apply_lora(model, self.cfg.actor.lora)
+        self.actor = self._make_trainable(model, self.cfg.actor, "actor")
         self.group.register("actor", self.actor)
+
+    @property
+    def reference_is_actor(self) -> bool:
+        """The reference policy is the actor with its LoRA adapter disabled (no second model)."""
+        return self.lora and self.spec.reference_path is None
 
     def _build_ref(self) -> None:
         from transformers import AutoModelForCausalLM
 
         from infra.colocate import TrainableModel
+        from infra.training import prepare_frozen
 
+        if self.reference_is_actor:
+            return
         path = self.spec.reference_path or self.spec.policy_path
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         fuse_activations(model)
-        model.requires_grad_(False).eval()
+        model = prepare_frozen(model, strategy=self.strategy("ref"), device=self.device)
         self.ref = TrainableModel(model, None, device=str(self.device))
         self.group.register("ref", self.ref)
 
@@ -227,10 +264,9 @@ class ModelWorker:
 
         path = self.spec.critic_path or self.spec.policy_path
         model = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=self.dtype
+            path, num_labels=1, dtype=torch.float32
         )
-        fuse_activations(model)
-        self.critic = self._make_trainable(model, self.cfg.critic)
+        self.critic = self._make_trainable(model, self.cfg.critic, "critic")
         self.group.register("critic", self.critic)
 
     # ----------------------------------------------------------------- running stage steps
@@ -276,6 +312,19 @@ class ModelWorker:
         with self.group.awake(role) as model:
             yield model
 
+    @contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        """The reference policy's module, awake inside the block: the frozen reference model,
+        or the actor with its LoRA adapter disabled (``reference_is_actor``)."""
+        if not self.reference_is_actor:
+            with self.awake("ref") as ref:
+                yield ref.module
+            return
+        from infra.lora import adapter_disabled
+
+        with self.awake("actor") as actor, adapter_disabled(actor.module):
+            yield actor.module
+
     def read(self, meta: BatchMeta, fields: tuple[str, ...]) -> dict[str, Any]:
         """``fields`` of ``meta.keys`` from the store, waiting up to ``store.get_timeout_s`` for
         rows not produced yet: jagged fields as ``torch.jagged`` nested tensors, dense fields
@@ -287,11 +336,24 @@ class ModelWorker:
         if meta.keys:
             self.store.kv_batch_put(list(meta.keys), meta.partition_id, fields)
 
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's weights, whole, under the plain model's names (LoRA merged in): what a
+        rollout engine loads. A collective under ``fsdp2``: every training worker calls it."""
+        from infra.training import full_state_dict
+
+        module = self.actor.module
+        if self.lora:
+            from infra.lora import merged_state_dict
+            from infra.training import gather_full
+
+            return merged_state_dict(module, full=gather_full)
+        return full_state_dict(module)
+
     def publish_policy(self) -> None:
         """After an update: a new policy version, and its weights in a colocated rollout engine."""
         self.version += 1
         if "rollout" in self.spec.roles:
-            self.engine.load_weights(self.actor.module.state_dict())
+            self.engine.load_weights(self.policy_weights())
 
     def ping(self) -> dict[str, Any]:
         return {
@@ -310,59 +372,95 @@ class ModelWorker:
 
     # ----------------------------------------------------------------- weights and checkpoints
     def policy_state(self) -> dict[str, np.ndarray]:
-        """The actor's weights as numpy arrays (zero-copy through Ray) for another pool's engine."""
-        return {k: v.detach().cpu().numpy() for k, v in self.actor.module.state_dict().items()}
+        """The actor's weights as numpy arrays (zero-copy through Ray) for another pool's engine:
+        rank 0's reply; every training worker takes part in gathering them and the others
+        reply with nothing."""
+        weights = self.policy_weights()
+        if self.spec.rank != 0:
+            return {}
+        return {k: v.cpu().numpy() for k, v in weights.items()}
 
     def load_policy(self, state: dict[str, np.ndarray], version: int) -> None:
         self.engine.load_weights({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
         self.version = version
 
     def parameters_digest(self) -> dict[str, float]:
-        """Per-tensor sums of the actor's weights (tests compare runs with these)."""
-        return {k: float(v.double().sum()) for k, v in self.actor.module.state_dict().items()}
+        """Per-tensor sums of the actor's weights, whole (tests compare runs with these; a
+        collective under ``fsdp2``)."""
+        from infra.training import full_state_dict
+
+        return {k: float(v.double().sum()) for k, v in full_state_dict(self.actor.module).items()}
+
+    def _save_hf(self, role: str, out: Path) -> None:
+        """A ``save_pretrained`` folder of ``role``'s model, written by rank 0 from the whole
+        state in ``models.dtype`` (the actor with its LoRA adapter merged, plus the adapter
+        alone in ``actor-adapter/``)."""
+        from infra.training import full_state_dict, plain_model
+
+        trained = getattr(self, role)
+        module = trained.module
+        if role == "actor" and self.lora:
+            from infra.lora import adapter_state, merged_state_dict, save_adapter
+            from infra.training import gather_full
+
+            weights = merged_state_dict(module, full=gather_full)
+            adapter = adapter_state(module, full=gather_full)
+            if self.spec.rank == 0:
+                save_adapter(module, out / "actor-adapter", state=adapter)
+        else:
+            weights = full_state_dict(module)
+        if self.spec.rank != 0:
+            return
+        cast = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in weights.items()}
+        plain_model(module).save_pretrained(out / role, state_dict=cast, safe_serialization=True)
+        if role == "actor":
+            self.tokenizer.save_pretrained(out / role)
 
     def save_checkpoint(self, path: str) -> None:
-        """Models (save_pretrained), optimizer and scheduler states, RNG states of this worker."""
+        """Each trained model twice: its sharded state with the optimizer's (DCP, ``dcp/<role>``,
+        reshardable to another worker count) and a ``save_pretrained`` folder (``<role>/``);
+        then this worker's scheduler and RNG states and the policy version (``worker-<rank>.pt``).
+        Every training worker calls it."""
+        from infra.training import save_sharded
+
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         state: dict[str, Any] = {
             "version": self.version,
+            "world_size": self.spec.world_size,
             "rng": {
                 "torch": torch.get_rng_state(),
                 "numpy": np.random.get_state(),
                 "python": random.getstate(),
             },
         }
-        if "actor" in self.spec.roles:
-            if self.spec.rank == 0:
-                self.actor.module.save_pretrained(out / "actor", safe_serialization=True)
-                self.tokenizer.save_pretrained(out / "actor")
-            state["actor_optimizer"] = self.actor.optimizer.state_dict()
-            state["actor_scheduler"] = self.actor.scheduler.state_dict()
-        if "critic" in self.spec.roles:
-            if self.spec.rank == 0:
-                self.critic.module.save_pretrained(out / "critic", safe_serialization=True)
-            state["critic_optimizer"] = self.critic.optimizer.state_dict()
-            state["critic_scheduler"] = self.critic.scheduler.state_dict()
+        for role in ("actor", "critic"):
+            if role in self.spec.roles:
+                trained = getattr(self, role)
+                save_sharded(out / "dcp" / role, trained.module, trained.optimizer)
+                self._save_hf(role, out)
+                state[f"{role}_scheduler"] = trained.scheduler.state_dict()
         torch.save(state, out / f"worker-{self.spec.rank}.pt")
 
     def load_checkpoint(self, path: str) -> int:
-        """Restore what ``save_checkpoint`` wrote; returns the policy version."""
+        """Restore what ``save_checkpoint`` wrote, by any number of workers; returns the policy
+        version. A worker whose rank did not save keeps its own seeded RNG streams."""
+        from infra.training import load_sharded
+
         src = Path(path)
-        state = torch.load(src / f"worker-{self.spec.rank}.pt", weights_only=False)
+        own = src / f"worker-{self.spec.rank}.pt"
+        state = torch.load(own if own.exists() else src / "worker-0.pt", weights_only=False)
         self.applied.clear()  # work recorded after the checkpoint is undone by loading it
-        if "actor" in self.spec.roles:
-            _load_weights(self.actor.module, src / "actor" / "model.safetensors")
-            self.actor.optimizer.load_state_dict(state["actor_optimizer"])
-            self.actor.scheduler.load_state_dict(state["actor_scheduler"])
-            if "rollout" in self.spec.roles:
-                self.engine.load_weights(self.actor.module.state_dict())
-        if "critic" in self.spec.roles:
-            _load_weights(self.critic.module, src / "critic" / "model.safetensors")
-            self.critic.optimizer.load_state_dict(state["critic_optimizer"])
-            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
+        for role in ("actor", "critic"):
+            if role in self.spec.roles:
+                trained = getattr(self, role)
+                load_sharded(src / "dcp" / role, trained.module, trained.optimizer)
+                trained.scheduler.load_state_dict(state[f"{role}_scheduler"])
+        if "actor" in self.spec.roles and "rollout" in self.spec.roles:
+            self.engine.load_weights(self.policy_weights())
+        if own.exists():
+            torch.set_rng_state(state["rng"]["torch"])
+            np.random.set_state(state["rng"]["numpy"])
+            random.setstate(state["rng"]["python"])
         self.version = int(state["version"])
         return self.version

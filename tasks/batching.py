@@ -179,11 +179,24 @@ def logprobs_from_response_logits(*, response_logits: Tensor, batch: PackedBatch
 
 
 def gather_response_logprobs(
-    *, logits: Tensor, batch: PackedBatch, temperature: float = 1.0
+    *, logits: Tensor, batch: PackedBatch, temperature: float = 1.0, chunk_tokens: int = 4096
 ) -> Tensor:
-    """(B, T) log_softmax(logits / temperature) of each response token; masked positions 0."""
-    response_logits = gather_response_logits(logits=logits, batch=batch, temperature=temperature)
-    return logprobs_from_response_logits(response_logits=response_logits, batch=batch)
+    """(B, T) log_softmax(logits / temperature) of each response token; masked positions 0.
+
+    Computed on the logits' device over chunks of rows holding at most `chunk_tokens` response
+    positions (at least one row), so no more than that many positions' vocabulary logits are
+    cast to float32 at a time.
+    """
+    width = max(int(batch.response_mask.shape[1]), 1)
+    rows = max(chunk_tokens // width, 1)
+    chunks = []
+    for start in range(0, batch.batch_size, rows):
+        part = batch.slice(start, start + rows)
+        response_logits = gather_response_logits(
+            logits=logits[start : start + rows], batch=part, temperature=temperature
+        )  # (rows, T, V)
+        chunks.append(logprobs_from_response_logits(response_logits=response_logits, batch=part))
+    return torch.cat(chunks)  # (B, T)
 
 
 def gather_response_values(*, values: Tensor, batch: PackedBatch) -> Tensor:

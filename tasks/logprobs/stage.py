@@ -71,9 +71,9 @@ def response_logprobs(worker: ModelWorker, model: torch.nn.Module, batch: Packed
     temperature = worker.cfg.rollout.temperature or 1.0
 
     def gather(logits: Tensor, mb: PackedBatch) -> Tensor:
-        return gather_response_logprobs(
-            logits=logits.float().cpu(), batch=mb, temperature=temperature
-        )
+        # On the logits' device: only the response positions are cast to float32, and only the
+        # (b, T) log-probabilities come back to the host.
+        return gather_response_logprobs(logits=logits, batch=mb, temperature=temperature).cpu()
 
     return micro_forward(worker, model, batch, gather)
 
@@ -82,7 +82,7 @@ def response_values(worker: ModelWorker, model: torch.nn.Module, batch: PackedBa
     """The critic's values (B, T) at the response tokens."""
 
     def gather(logits: Tensor, mb: PackedBatch) -> Tensor:
-        return gather_response_values(values=logits[..., 0].float().cpu(), batch=mb)
+        return gather_response_values(values=logits[..., 0].float(), batch=mb).cpu()
 
     return micro_forward(worker, model, batch, gather)
 
@@ -96,8 +96,8 @@ def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[str, ...
         with worker.awake("actor") as actor:
             out["old_logprobs"] = from_padded(response_logprobs(worker, actor.module, batch), n)
     if "ref_logprobs" in names:
-        with worker.awake("ref") as ref:
-            out["ref_logprobs"] = from_padded(response_logprobs(worker, ref.module, batch), n)
+        with worker.reference() as ref:
+            out["ref_logprobs"] = from_padded(response_logprobs(worker, ref, batch), n)
     if "values" in names:
         with worker.awake("critic") as critic:
             out["values"] = from_padded(response_values(worker, critic.module, batch), n)

@@ -18,7 +18,6 @@ from tasks.update.optimize import (
     actor_update,
     count_minibatch_units,
     critic_update,
-    sync_gradients,
 )
 
 __all__ = [
@@ -36,6 +35,5 @@ __all__ = [
     "critic_update",
     "entropy_from_logits",
     "ppo_policy_loss",
-    "sync_gradients",
     "value_loss",
 ]

@@ -5,9 +5,11 @@ mini-batch is one optimizer step, its gradient accumulated over micro-batches of
 `micro_batch_size` rows. Every micro-batch loss is divided by the *mini-batch's* denominator
 (real tokens, or non-empty rows; see `tasks.update.core`), so the step does not depend on the
 micro-batch split. With data parallelism each worker passes the global denominators
-(`global_tokens` / `global_seqs`, e.g. from `count_minibatch_units` summed over workers) and a
-`grad_reducer` that SUMS gradients over workers (`sync_gradients`): N workers then take the
-same step as one worker holding the whole batch.
+(`global_tokens` / `global_seqs`, e.g. from `count_minibatch_units` summed over workers) and its
+module SUMS gradients over workers (an FSDP2 module with divide factor 1, see `infra.training`,
+or a `grad_reducer` called before clipping): N workers then take the same step as one worker
+holding the whole batch. The gradient norm is the global one (sharded parameters' norms are
+reduced by `clip_grad_norm_` itself).
 
 Models follow the Hugging Face convention `model(input_ids=…, attention_mask=…).logits`; for the
 critic, `logits[..., 0]` are the values (e.g. a token-classification head with one label).
@@ -48,7 +50,6 @@ __all__ = [
     "actor_update",
     "count_minibatch_units",
     "critic_update",
-    "sync_gradients",
 ]
 
 GradReducer = Callable[[nn.Module], None]
@@ -156,27 +157,6 @@ def count_minibatch_units(*, response_mask: Tensor, mini_batch_size: int, agg: s
     ]
 
 
-def sync_gradients(model: nn.Module, world_size: int) -> None:
-    """All-reduce (SUM) every gradient over the default torch.distributed group.
-
-    A SUM, not a mean: losses are already divided by global counts. A parameter without a
-    gradient on this worker contributes zeros. No-op for world_size 1.
-    """
-    if world_size <= 1:
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for all gradients
-    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def _minibatch_rows(
     *, batch_size: int, mini_batch_size: int, epoch: int, shuffle_seed: int | None
 ) -> list[Tensor]:
@@ -268,7 +248,9 @@ def _optimizer_step(
         grad_reducer(model)
     params = [p for p in model.parameters() if p.grad is not None]
     limit = max_grad_norm if max_grad_norm is not None else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    full_tensor = getattr(norm, "full_tensor", None)  # a DTensor's norm over every shard
+    grad_norm = float(full_tensor() if callable(full_tensor) else norm)
     tally.steps += 1
     if torch.isfinite(torch.tensor(grad_norm)):
         optimizer.step()

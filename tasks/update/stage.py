@@ -3,7 +3,8 @@
 The batch is sharded over the data-parallel training workers; each worker reads its rows
 (``update_rows``), runs ``tasks.update.optimize`` on them and sends back its metrics. Losses are
 normalised by the batch's global token and sequence counts (summed over the workers with an
-all-reduce) and the gradients are summed, so N workers make the same update as one. After the
+all-reduce) and the gradients are summed by the training strategy (``infra.training``: FSDP2's
+reduce-scatter), so N workers make the same update as one. After the
 update the rollout engine gets the new weights (in-process on a colocated pool; through Ray's
 object store when the rollout has its own pool).
 
@@ -32,7 +33,6 @@ from tasks.update.optimize import (
     actor_update,
     count_minibatch_units,
     critic_update,
-    sync_gradients,
 )
 
 
@@ -129,8 +129,6 @@ def _update(
     data = worker.read(shard, tuple(fields))
     width = batch.response_mask.shape[1]
     given = {fields[name]: padded(value, width).float() for name, value in data.items()}
-    world = worker.spec.world_size
-    reducer = None if world == 1 else (lambda model: sync_gradients(model, world))
 
     def common(role: Any, settings: ActorUpdateSettings | CriticUpdateSettings) -> dict[str, Any]:
         """What the actor's and the critic's updates both take: the model of ``role``, its
@@ -141,7 +139,6 @@ def _update(
             "optimizer": role.optimizer,
             "scheduler": role.scheduler,
             "batch": batch,
-            "grad_reducer": reducer,
             "global_tokens": units,
             "global_seqs": units,
         }
@@ -189,9 +186,13 @@ def sync_rollout_weights(ctx: StageContext) -> None:
     """Push the actor's weights to a rollout pool that is not the training pool."""
     if ctx.rollout_group is ctx.train_group:
         return
-    version = ctx.train_group.call(ModelWorker.ping)[0]["version"]
-    state = ctx.train_group.workers[0].policy_state.remote()
-    ctx.rollout_group.call(ModelWorker.load_policy, state, version)
+    train = ctx.train_group
+    version = train.call(ModelWorker.ping)[0]["version"]
+    # Every training worker takes part in gathering the weights; rank 0's reply carries them,
+    # and goes from its worker to the rollout workers without passing through this process.
+    states = [w.policy_state.remote() for w in train.workers]
+    train.get(states[1:], "policy_state")
+    ctx.rollout_group.call(ModelWorker.load_policy, states[0], version)
 
 
 def field_names(ctx: StageContext) -> dict[str, str]:

@@ -329,47 +329,6 @@ def test_critic_micro_batch_split_invariant(agg: str) -> None:
     assert not torch.equal(model_a.score.weight, reference.score.weight)
 
 
-SYNC_WORKER = """
-import sys, torch, torch.distributed as dist
-from torch import nn
-from tasks.update import sync_gradients
-rank, port = int(sys.argv[1]), sys.argv[2]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-model = nn.Linear(3, 2)
-model.weight.grad = torch.full((2, 3), float(rank + 1))  # rank 1 leaves the bias without a grad
-if rank == 0:
-    model.bias.grad = torch.ones(2)
-sync_gradients(model, 2)
-assert torch.equal(model.weight.grad, torch.full((2, 3), 3.0)), model.weight.grad  # 1 + 2, a SUM
-assert torch.equal(model.bias.grad, torch.ones(2)), model.bias.grad  # 1 + 0
-dist.destroy_process_group()
-"""
-
-
-def test_sync_gradients_sums_over_two_processes() -> None:
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    root = Path(__file__).resolve().parents[2]
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-c", SYNC_WORKER, str(rank), str(port)],
-            cwd=root,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    for worker in workers:
-        _, stderr = worker.communicate(timeout=120)
-        assert worker.returncode == 0, stderr
-
-
 @pytest.mark.gpu
 def test_actor_and_critic_update_on_cuda_with_a_cpu_batch() -> None:
     # Workers keep the packed batch on the CPU; micro-batches must move to the model's device.
