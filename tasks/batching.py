@@ -18,11 +18,13 @@ from tasks.masks import lengths_to_mask
 
 __all__ = [
     "PackedBatch",
+    "count_token_micro_batches",
     "gather_response_logits",
     "gather_response_logprobs",
     "gather_response_values",
     "logprobs_from_response_logits",
     "pack_batch",
+    "token_micro_batches",
     "unpad",
 ]
 
@@ -215,3 +217,59 @@ def unpad(tensor: Tensor, lengths: Tensor) -> list[Tensor]:
     if tensor.shape[0] != lengths.shape[0]:
         raise ValueError(f"tensor has {tensor.shape[0]} rows but lengths has {lengths.shape[0]}")
     return [row[: int(n)] for row, n in zip(tensor, lengths.tolist())]
+
+
+def _greedy_groups(lengths: Tensor, budget: int) -> list[list[int]]:
+    """Rows sorted by length (longest first, ties in row order), cut into runs that each hold
+    as many rows as fit: a run that starts at a row of length n holds up to budget // n rows
+    (at least that one row), since its first row is its longest."""
+    if budget < 1:
+        raise ValueError(f"the token budget must be ≥ 1, got {budget}")
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be 1-D (B,), got shape {tuple(lengths.shape)}")
+    order = torch.sort(lengths.detach().cpu(), descending=True, stable=True).indices  # (B,)
+    sizes = lengths.detach().cpu()[order].tolist()
+    index = order.tolist()
+    groups: list[list[int]] = []
+    start = 0
+    while start < len(index):
+        longest = int(sizes[start])
+        take = len(index) - start if longest <= 0 else max(budget // longest, 1)
+        groups.append(index[start : start + take])
+        start += take
+    return groups
+
+
+def count_token_micro_batches(lengths: Tensor, budget: int) -> int:
+    """The fewest micro-batches for rows of these (B,) lengths under a token budget.
+
+    Rows are sorted by length (longest first) and packed greedily; a micro-batch costs its
+    rows × its longest row (the tokens of a right-padded batch) and stays ≤ `budget`, except
+    that a row longer than the budget is a micro-batch of its own.
+    """
+    return len(_greedy_groups(lengths, budget))
+
+
+def token_micro_batches(lengths: Tensor, budget: int, count: int | None = None) -> list[Tensor]:
+    """Row indices (long, into the given (B,) rows) of each token-budget micro-batch.
+
+    Without `count`: the greedy packing of `count_token_micro_batches`. With `count` (from the
+    fewest up to B): exactly `count` non-empty micro-batches, made by halving the costliest
+    micro-batch of more than one row (the first such on ties) until there are `count`; halving
+    only lowers costs, so the budget still holds. Rows are sorted by length, longest first,
+    within and across micro-batches.
+    """
+    groups = _greedy_groups(lengths, budget)
+    if count is not None:
+        if not len(groups) <= count <= len(lengths):
+            raise ValueError(
+                f"count={count} micro-batches is outside [{len(groups)}, {len(lengths)}]: at "
+                f"least the fewest packing under budget {budget}, at most one per row"
+            )
+        sizes = lengths.detach().cpu().tolist()
+        while len(groups) < count:
+            costs = [len(g) * int(sizes[g[0]]) if len(g) > 1 else -1 for g in groups]
+            at = costs.index(max(costs))
+            half = (len(groups[at]) + 1) // 2
+            groups[at : at + 1] = [groups[at][:half], groups[at][half:]]
+    return [torch.tensor(g, dtype=torch.long) for g in groups]

@@ -20,7 +20,14 @@ from torch import Tensor
 
 from infra.workers import ModelWorker
 from storage import BatchMeta
-from tasks.batching import PackedBatch, gather_response_logprobs, gather_response_values, pack_batch
+from tasks.batching import (
+    PackedBatch,
+    count_token_micro_batches,
+    gather_response_logprobs,
+    gather_response_values,
+    pack_batch,
+    token_micro_batches,
+)
 from tasks.context import StageContext
 from tasks.io import from_padded, rows
 
@@ -46,28 +53,91 @@ def read_packed(worker: ModelWorker, shard: BatchMeta) -> PackedBatch:
     )
 
 
+def agree_count(worker: ModelWorker, n: int) -> int:
+    """The largest of the data-parallel workers' ``n`` (an all-reduce MAX over the default
+    torch.distributed group when ``worker.spec.world_size > 1``, else ``n``): every worker then
+    runs as many forward passes, as FSDP's per-forward collectives need. Every worker of the
+    group must call it."""
+    if worker.spec.world_size <= 1:
+        return n
+    import torch.distributed as dist
+
+    count = torch.tensor([n], dtype=torch.long)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
+def _forward(
+    worker: ModelWorker,
+    model: torch.nn.Module,
+    mb: PackedBatch,
+    gather: Callable[[Tensor, PackedBatch], Tensor],
+) -> Tensor:
+    logits = model(
+        input_ids=mb.input_ids.to(worker.device),
+        attention_mask=mb.attention_mask.long().to(worker.device),
+    ).logits  # (b, L, V)
+    return gather(logits, mb)  # (b, T)
+
+
 @torch.no_grad()
 def micro_forward(
     worker: ModelWorker,
     model: torch.nn.Module,
     batch: PackedBatch,
     gather: Callable[[Tensor, PackedBatch], Tensor],
+    *,
+    count_reducer: Callable[[int], int] | None = None,
 ) -> Tensor:
-    """``gather(logits, micro_batch)`` over ``actor.micro_batch_size`` slices, concatenated (B, T)."""
-    micro = max(worker.cfg.actor.micro_batch_size, 1)
-    outs = []
-    for start in range(0, batch.input_ids.shape[0], micro):
-        mb = batch.slice(start, start + micro)
-        logits = model(
-            input_ids=mb.input_ids.to(worker.device),
-            attention_mask=mb.attention_mask.long().to(worker.device),
-        ).logits
-        outs.append(gather(logits, mb))
-    return torch.cat(outs)
+    """``gather(logits, micro_batch)`` over micro-batches of the batch, as one (B, T) tensor in
+    the batch's row order.
+
+    Micro-batches are runs of ``cfg.logprobs_micro_batch_size`` rows (full widths) or, with
+    ``cfg.logprobs_max_tokens``, token-budget micro-batches of rows sorted by prompt + response
+    length (``token_micro_batches``), each trimmed to its own longest row; their (b, t) outputs
+    are zero-padded back to T. ``count_reducer`` maps this worker's micro-batch count to the one
+    to run (e.g. ``lambda n: agree_count(worker, n)`` under FSDP; None = its own count); a
+    larger count re-splits the rows.
+    """
+    cfg, rows = worker.cfg, batch.batch_size
+    budget = cfg.logprobs_max_tokens
+    lengths = batch.prompt_lengths + batch.response_lengths  # (B,)
+    if budget is None:
+        micro = max(cfg.logprobs_micro_batch_size, 1)
+        own = -(-rows // micro)
+    else:
+        own = count_token_micro_batches(lengths, budget)
+    count = own if count_reducer is None else count_reducer(own)
+    if not own <= count <= rows:
+        raise ValueError(
+            f"count_reducer gave {count} micro-batches for {rows} rows that need {own}: it must "
+            "be between the two"
+        )
+    if budget is None:
+        if count == own:
+            spans = [(start, min(start + micro, rows)) for start in range(0, rows, micro)]
+        else:  # `count` even runs of rows
+            parts = torch.tensor_split(torch.arange(rows), count)
+            spans = [(int(part[0]), int(part[-1]) + 1) for part in parts]
+        return torch.cat([_forward(worker, model, batch.slice(a, b), gather) for a, b in spans])
+    out = torch.zeros((rows, batch.response_mask.shape[1]))  # (B, T)
+    for group in token_micro_batches(lengths, budget, count):
+        part = _forward(worker, model, batch.select(group), gather)  # (b, t), t ≤ T
+        if out.dtype != part.dtype or out.device != part.device:
+            out = out.to(device=part.device, dtype=part.dtype)
+        out[group.to(part.device), : part.shape[1]] = part
+    return out
 
 
-def response_logprobs(worker: ModelWorker, model: torch.nn.Module, batch: PackedBatch) -> Tensor:
-    """Log-probabilities (B, T) of the response tokens at the rollout temperature."""
+def response_logprobs(
+    worker: ModelWorker,
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    *,
+    count_reducer: Callable[[int], int] | None = None,
+) -> Tensor:
+    """Log-probabilities (B, T) of the response tokens at the rollout temperature
+    (``count_reducer`` as in ``micro_forward``)."""
     temperature = worker.cfg.rollout.temperature or 1.0
 
     def gather(logits: Tensor, mb: PackedBatch) -> Tensor:
@@ -75,16 +145,23 @@ def response_logprobs(worker: ModelWorker, model: torch.nn.Module, batch: Packed
         # (b, T) log-probabilities come back to the host.
         return gather_response_logprobs(logits=logits, batch=mb, temperature=temperature).cpu()
 
-    return micro_forward(worker, model, batch, gather)
+    return micro_forward(worker, model, batch, gather, count_reducer=count_reducer)
 
 
-def response_values(worker: ModelWorker, model: torch.nn.Module, batch: PackedBatch) -> Tensor:
-    """The critic's values (B, T) at the response tokens."""
+def response_values(
+    worker: ModelWorker,
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    *,
+    count_reducer: Callable[[int], int] | None = None,
+) -> Tensor:
+    """The critic's values (B, T) at the response tokens (``count_reducer`` as in
+    ``micro_forward``)."""
 
     def gather(logits: Tensor, mb: PackedBatch) -> Tensor:
         return gather_response_values(values=logits[..., 0].float(), batch=mb).cpu()
 
-    return micro_forward(worker, model, batch, gather)
+    return micro_forward(worker, model, batch, gather, count_reducer=count_reducer)
 
 
 def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[str, ...]) -> None:

@@ -29,9 +29,11 @@ from torch import Tensor, nn
 
 from tasks.batching import (
     PackedBatch,
+    count_token_micro_batches,
     gather_response_logits,
     gather_response_values,
     logprobs_from_response_logits,
+    token_micro_batches,
 )
 from tasks.kl import KL_PENALTIES, kl_penalty
 from tasks.update.core import (
@@ -56,7 +58,17 @@ GradReducer = Callable[[nn.Module], None]
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 
-def _check_batching(*, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int) -> None:
+def _check_batching(
+    *,
+    ppo_epochs: int,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    max_tokens_per_micro_batch: int | None,
+) -> None:
+    if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
+        raise ValueError(
+            f"max_tokens_per_micro_batch must be ≥ 1 or None, got {max_tokens_per_micro_batch}"
+        )
     if ppo_epochs < 1 or mini_batch_size < 1 or micro_batch_size < 1:
         raise ValueError(
             f"ppo_epochs, mini_batch_size and micro_batch_size must be ≥ 1; got {ppo_epochs}, "
@@ -75,6 +87,9 @@ class ActorUpdateSettings:
 
     ppo_epochs: passes over the batch; mini_batch_size: rows per optimizer step;
     micro_batch_size: rows per forward/backward (accumulation = mini / micro);
+    max_tokens_per_micro_batch: when set, each mini-batch's rows are instead sorted by length
+        and packed into micro-batches of ≤ this many padded tokens (rows × longest row; see
+        `tasks.batching.token_micro_batches`), and micro_batch_size is not used for the split;
     clip_low / clip_high: ratio clipped to [1 − clip_low, 1 + clip_high];
     dual_clip: cap for negative advantages (> 1, None = off); agg: loss aggregation mode;
     entropy_coef: entropy bonus weight; kl_loss_coef / kl_loss_kind: KL-to-reference loss;
@@ -96,12 +111,14 @@ class ActorUpdateSettings:
     max_grad_norm: float | None = 1.0
     temperature: float = 1.0
     shuffle_seed: int | None = None
+    max_tokens_per_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         _check_batching(
             ppo_epochs=self.ppo_epochs,
             mini_batch_size=self.mini_batch_size,
             micro_batch_size=self.micro_batch_size,
+            max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
         )
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg {self.agg!r} is not one of {sorted(AGGREGATIONS)}")
@@ -130,12 +147,14 @@ class CriticUpdateSettings:
     agg: str = "token-mean"
     max_grad_norm: float | None = 1.0
     shuffle_seed: int | None = None
+    max_tokens_per_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         _check_batching(
             ppo_epochs=self.ppo_epochs,
             mini_batch_size=self.mini_batch_size,
             micro_batch_size=self.micro_batch_size,
+            max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
         )
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg {self.agg!r} is not one of {sorted(AGGREGATIONS)}")
@@ -335,13 +354,48 @@ def _model_device(model: nn.Module) -> torch.device:
 
 # Called as (model=, mb=, mb_tensors=, cfg=, loss_denominator=, tally=) -> loss parts.
 MicroStep = Callable[..., dict[str, float]]
+# This worker's micro-batch count for a mini-batch → the count to run (e.g. the MAX over workers).
+MicroBatchCount = Callable[[int], int]
+
+
+def _micro_rows(
+    batch: PackedBatch,
+    mini_rows: Tensor,
+    cfg: ActorUpdateSettings | CriticUpdateSettings,
+    micro_batch_count: MicroBatchCount | None,
+) -> list[Tensor]:
+    """The (b,) batch-row indices of each micro-batch of one mini-batch's (m,) rows.
+
+    With `cfg.max_tokens_per_micro_batch`: token-budget micro-batches of the rows' prompt +
+    response lengths (`token_micro_batches`); otherwise runs of `cfg.micro_batch_size` rows.
+    `micro_batch_count` maps this worker's count to the one to run; a larger count re-splits
+    the rows (halving token-budget micro-batches, or even runs of rows).
+    """
+    budget = cfg.max_tokens_per_micro_batch
+    lengths = (batch.prompt_lengths + batch.response_lengths)[mini_rows.to(batch.input_ids.device)]
+    if budget is None:
+        own = -(-int(mini_rows.numel()) // cfg.micro_batch_size)
+    else:
+        own = count_token_micro_batches(lengths, budget)
+    count = own if micro_batch_count is None else micro_batch_count(own)
+    if not own <= count <= mini_rows.numel():
+        raise ValueError(
+            f"micro_batch_count gave {count} micro-batches for a mini-batch of "
+            f"{mini_rows.numel()} rows that needs {own}: it must be between the two"
+        )
+    if budget is None:
+        if count == own:
+            return list(torch.split(mini_rows, cfg.micro_batch_size))
+        return list(torch.tensor_split(mini_rows, count))
+    return [mini_rows[group] for group in token_micro_batches(lengths, budget, count)]
 
 
 @dataclass
 class _Epochs:
     """The loop both updates share: per epoch, per mini-batch (one optimizer step), per
     micro-batch `micro_step` (forward + backward, returns its loss parts); then reduce, clip and
-    step. `role` names the grad-norm metric (`<role>/grad_norm`)."""
+    step. `role` names the grad-norm metric (`<role>/grad_norm`); `micro_batch_count` maps each
+    mini-batch's micro-batch count to the one to run (see `_micro_rows`)."""
 
     role: str
     model: nn.Module
@@ -357,6 +411,7 @@ class _Epochs:
         grad_reducer: GradReducer | None,
         global_tokens: float | Sequence[float] | None,
         global_seqs: float | Sequence[float] | None,
+        micro_batch_count: MicroBatchCount | None = None,
     ) -> _Tally:
         cfg, tally = self.cfg, _Tally()
         override = global_tokens if cfg.agg == "token-mean" else global_seqs
@@ -379,7 +434,7 @@ class _Epochs:
             )
             for mini_rows, denominator in zip(minibatches, denominators):
                 # 2. Forward/backward every micro-batch with the mini-batch's denominator.
-                for micro_rows in torch.split(mini_rows, cfg.micro_batch_size):
+                for micro_rows in _micro_rows(batch, mini_rows, cfg, micro_batch_count):
                     mb, mb_tensors = _micro_batch(batch, per_token, micro_rows, device)
                     tally.add_step(
                         **step(mb=mb, mb_tensors=mb_tensors, loss_denominator=denominator)
@@ -410,6 +465,7 @@ def actor_update(
     grad_reducer: GradReducer | None = None,
     global_tokens: float | Sequence[float] | None = None,
     global_seqs: float | Sequence[float] | None = None,
+    micro_batch_count: MicroBatchCount | None = None,
 ) -> dict[str, float]:
     """PPO epochs over `batch`; old_logprobs, advantages, ref_logprobs are (B, T).
 
@@ -418,7 +474,13 @@ def actor_update(
     recomputed old_logprobs), and with `ref_logprobs` the metric actor/kl_to_ref (k1) is logged.
 
     1. Split rows into mini-batches (one optimizer step each) and fix each one's denominator.
-    2. Per mini-batch: forward/backward every micro-batch with that denominator.
+    2. Per mini-batch: forward/backward every micro-batch with that denominator. Micro-batches
+       are runs of `cfg.micro_batch_size` rows or, with `cfg.max_tokens_per_micro_batch`, rows
+       sorted by length and packed under that token budget, each trimmed to its longest row.
+       `micro_batch_count(own)` (optional) returns how many micro-batches to run given this
+       worker's own count — with FSDP data parallelism an all-reduce MAX over the workers, so
+       every worker runs as many forward/backward passes. The split changes the step only by
+       float rounding.
     3. Reduce gradients (grad_reducer), clip, step; the scheduler steps per optimizer step.
     Returns mean metrics over steps (losses, grad norm) or real tokens (clipfrac, ppo_kl).
     """
@@ -438,7 +500,9 @@ def actor_update(
     loop = _Epochs(
         role="actor", model=model, optimizer=optimizer, cfg=cfg, micro_step=_actor_micro_step
     )
-    tally = loop.run(batch, per_token, scheduler, grad_reducer, global_tokens, global_seqs)
+    tally = loop.run(
+        batch, per_token, scheduler, grad_reducer, global_tokens, global_seqs, micro_batch_count
+    )
     metrics = tally.metrics()
     metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["actor/skipped_steps"] = float(tally.skipped_steps)
@@ -497,11 +561,12 @@ def critic_update(
     grad_reducer: GradReducer | None = None,
     global_tokens: float | Sequence[float] | None = None,
     global_seqs: float | Sequence[float] | None = None,
+    micro_batch_count: MicroBatchCount | None = None,
 ) -> dict[str, float]:
     """Clipped value-loss epochs over `batch`; old_values and returns are (B, T).
 
-    Same steps as `actor_update`: mini-batch denominators, micro-batch backward, reduce, clip,
-    step.
+    Same steps as `actor_update`: mini-batch denominators, micro-batch backward (fixed rows or
+    a token budget, `micro_batch_count` as there), reduce, clip, step.
     """
     per_token = {"old_values": old_values, "returns": returns}
     _check_per_token(batch, per_token)
@@ -509,7 +574,9 @@ def critic_update(
     loop = _Epochs(
         role="critic", model=model, optimizer=optimizer, cfg=cfg, micro_step=_critic_micro_step
     )
-    tally = loop.run(batch, per_token, scheduler, grad_reducer, global_tokens, global_seqs)
+    tally = loop.run(
+        batch, per_token, scheduler, grad_reducer, global_tokens, global_seqs, micro_batch_count
+    )
     metrics = tally.metrics()
     metrics["critic/lr"] = float(optimizer.param_groups[0]["lr"])
     return metrics

@@ -71,6 +71,7 @@ def actor_settings(cfg: TrainConfig, world: int) -> ActorUpdateSettings:
         kl_loss_kind=algo.kl.loss_kind,
         max_grad_norm=opt.max_grad_norm,
         temperature=cfg.rollout.temperature or 1.0,
+        max_tokens_per_micro_batch=opt.max_tokens_per_micro_batch,
     )
 
 
@@ -81,6 +82,7 @@ def critic_settings(cfg: TrainConfig, world: int) -> CriticUpdateSettings:
         clip_range=opt.value_clip,
         agg=opt.loss_agg,
         max_grad_norm=opt.max_grad_norm,
+        max_tokens_per_micro_batch=opt.max_tokens_per_micro_batch,
     )
 
 
