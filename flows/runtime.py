@@ -9,6 +9,8 @@ Pool layout by mode (``reward.pool`` decides whether the reward model shares the
 | separate_async   | actor, ref, critic                | rollout_workers        | always own       |
 
 A run without a reward model (reward functions only) has no reward role and no reward pool.
+Each bundle is one device, except the rollout pool's with a tensor-parallel vLLM engine
+(``rollout.tensor_parallel_size``, separate_async only): each of its bundles holds that many.
 """
 
 from __future__ import annotations
@@ -108,7 +110,12 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
     res = cfg.resources
     separate = res.mode == "separate_async"
     own_reward = cfg.reward.pool == "own" and cfg.uses_reward_model
-    devices = res.num_workers + (res.rollout_workers if separate else 0) + (1 if own_reward else 0)
+    rollout_devices = cfg.rollout.tensor_parallel_size  # > 1 only for vLLM in separate_async
+    devices = (
+        res.num_workers
+        + (res.rollout_workers * rollout_devices if separate else 0)
+        + (1 if own_reward else 0)
+    )
     check_store_url(cfg.store.url)
     started = ensure_ray(res, pools_devices=devices)
     timeout = cfg.orchestration.call_timeout_s
@@ -132,7 +139,12 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
             pools.append(pool)
             reward = WorkerGroup(pool, _spec(cfg, models, ("reward",), url), call_timeout_s=timeout)
         if separate:
-            pool = create_pool("rollout", res.rollout_workers, accelerator=res.accelerator_resource)
+            pool = create_pool(
+                "rollout",
+                res.rollout_workers,
+                accelerator=res.accelerator_resource,
+                devices_per_bundle=rollout_devices,
+            )
             pools.append(pool)
             rollout = WorkerGroup(
                 pool, _spec(cfg, models, ("rollout",), url), call_timeout_s=timeout

@@ -1,9 +1,11 @@
 """Start or attach to Ray, and carve it into resource pools.
 
-A *pool* is a placement group whose bundles each stand for one device: ``{"CPU": 1, <acc>: 1}``
-where ``<acc>`` is ``GPU`` on a GPU cluster or a custom resource (``gpu_slot``) on a CPU machine,
-so the same placement code runs and is tested everywhere. Roles that share a pool are placed on
-the same bundles and take turns on the device (see ``infra.colocate``).
+A *pool* is a placement group whose bundles each stand for one worker's devices:
+``{"CPU": 0.5, <acc>: devices_per_bundle}`` where ``<acc>`` is ``GPU`` on a GPU cluster or a
+custom resource (``gpu_slot``) on a CPU machine, so the same placement code runs and is tested
+everywhere. A bundle is one device, except in a rollout pool whose vLLM engine is split over
+``rollout.tensor_parallel_size`` devices: each of its bundles holds that many. Roles that share a
+pool are placed on the same bundles and take turns on the devices (see ``infra.colocate``).
 """
 
 from __future__ import annotations
@@ -55,12 +57,13 @@ def ensure_ray(res: ResourcesConfig, *, pools_devices: int) -> bool:
 
 @dataclass
 class ResourcePool:
-    """A named placement group of ``size`` device bundles."""
+    """A named placement group of ``size`` bundles of ``devices_per_bundle`` devices each."""
 
     name: str
     size: int
     accelerator: str
     group: PlacementGroup
+    devices_per_bundle: int = 1
 
     def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(
@@ -68,11 +71,13 @@ class ResourcePool:
         )
 
     def actor_options(self, bundle: int, *, share: float) -> dict[str, Any]:
-        """Options for an actor taking ``share`` of bundle ``bundle``'s device."""
+        """Options for an actor taking ``share`` of each device of bundle ``bundle`` (on a GPU
+        cluster Ray then shows the actor that bundle's GPUs in ``CUDA_VISIBLE_DEVICES``)."""
+        devices = share * self.devices_per_bundle
         return {
             "num_cpus": 0.5 * share,
-            "resources": {} if self.accelerator == "GPU" else {self.accelerator: share},
-            "num_gpus": share if self.accelerator == "GPU" else 0,
+            "resources": {} if self.accelerator == "GPU" else {self.accelerator: devices},
+            "num_gpus": devices if self.accelerator == "GPU" else 0,
             "scheduling_strategy": self.strategy(bundle),
         }
 
@@ -80,9 +85,19 @@ class ResourcePool:
         remove_placement_group(self.group)
 
 
-def create_pool(name: str, size: int, *, accelerator: str, timeout_s: float = 60.0) -> ResourcePool:
-    """Reserve ``size`` bundles, failing with a clear message when the cluster lacks them."""
-    bundles = [{"CPU": 0.5, accelerator: 1.0} for _ in range(size)]
+def create_pool(
+    name: str,
+    size: int,
+    *,
+    accelerator: str,
+    devices_per_bundle: int = 1,
+    timeout_s: float = 60.0,
+) -> ResourcePool:
+    """Reserve ``size`` bundles of ``devices_per_bundle`` devices, failing with a clear message
+    when the cluster lacks them."""
+    if devices_per_bundle < 1:
+        raise ValueError(f"devices_per_bundle must be >= 1, got {devices_per_bundle}")
+    bundles = [{"CPU": 0.5, accelerator: float(devices_per_bundle)} for _ in range(size)]
     group = placement_group(bundles, strategy="PACK", name=f"ppoflow-{name}")
     try:
         ray.get(group.ready(), timeout=timeout_s)
@@ -90,8 +105,16 @@ def create_pool(name: str, size: int, *, accelerator: str, timeout_s: float = 60
         remove_placement_group(group)
         available = ray.available_resources()
         raise ResourceError(
-            f"pool {name!r} needs {size} bundle(s) of {{CPU: 0.5, {accelerator}: 1}} but the cluster "
+            f"pool {name!r} needs {size} bundle(s) of {{CPU: 0.5, {accelerator}: "
+            f"{devices_per_bundle}}} but the cluster "
             f"has {available.get(accelerator, 0)} {accelerator} and {available.get('CPU', 0)} CPU free "
-            f"after {timeout_s:.0f} s; lower resources.num_workers/rollout_workers or add devices"
+            f"after {timeout_s:.0f} s; lower resources.num_workers/rollout_workers "
+            "(or rollout.tensor_parallel_size) or add devices"
         ) from None
-    return ResourcePool(name=name, size=size, accelerator=accelerator, group=group)
+    return ResourcePool(
+        name=name,
+        size=size,
+        accelerator=accelerator,
+        group=group,
+        devices_per_bundle=devices_per_bundle,
+    )

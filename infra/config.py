@@ -114,7 +114,12 @@ class RolloutConfig(_Section):
         0.5, gt=0, le=1, description="vLLM: the share of each GPU's memory the engine may take."
     )
     tensor_parallel_size: int = Field(
-        1, ge=1, description="vLLM: GPUs one engine's model is split over (tensor parallelism)."
+        1,
+        ge=1,
+        description=(
+            "vLLM: GPUs one engine's model is split over (tensor parallelism). Above 1 needs "
+            "resources.mode=separate_async: each rollout worker then takes this many GPUs."
+        ),
     )
     max_model_len: int | None = Field(
         None, ge=1, description="vLLM: longest prompt + response (None = the model's own limit)."
@@ -557,6 +562,19 @@ class TrainConfig(_Section):
                 "resources.mode='separate_async' cannot use a colocated reward model: the rollout never "
                 "pauses, so the devices the reward model would wake on are never free. "
                 "Set reward.pool='own' to give the reward model its own pool, or use mode 'sync' / 'colocate_async'."
+            )
+        tp = self.rollout.tensor_parallel_size
+        if tp > 1 and self.rollout.engine != "vllm":
+            raise ValueError(
+                f"rollout.tensor_parallel_size={tp} applies to the vLLM engine only: set "
+                "rollout.engine=vllm or rollout.tensor_parallel_size=1"
+            )
+        if tp > 1 and self.resources.mode != "separate_async":
+            raise ValueError(
+                f"rollout.tensor_parallel_size={tp} needs resources.mode=separate_async: in mode "
+                f"{self.resources.mode!r} the rollout engine shares the training pool, one worker "
+                "per device, so it cannot span several devices; separate_async gives the rollout "
+                f"a pool of its own, {tp} devices per rollout worker"
             )
         workers = self.resources.num_workers
         for role in ("actor", "critic"):

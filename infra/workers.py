@@ -164,8 +164,10 @@ class ModelWorker:
         self._build(self.deferred)
 
     def _build_rollout(self) -> None:
-        from infra.engines import make_engine
+        from infra.engines import engine_options, make_engine
 
+        # engine_options: vLLM's rollout.gpu_memory_utilization, tensor_parallel_size and
+        # max_model_len when rollout.engine == "vllm"; nothing for the transformers engine.
         self.engine = make_engine(
             self.cfg.rollout.engine,
             self.spec.policy_path,
@@ -173,6 +175,7 @@ class ModelWorker:
             dtype=self.dtype,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
+            **engine_options(self.cfg.rollout),
         )
         self.group.register("rollout", self.engine)
 

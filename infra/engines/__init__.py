@@ -2,13 +2,14 @@
 
 ``make_engine("hf", path)`` works everywhere (CPU or GPU); ``make_engine("vllm", path)`` needs
 vLLM on a CUDA machine and says so when it is missing. Backends are imported on demand, so
-importing this package never imports vLLM.
+importing this package never imports vLLM. ``engine_options(cfg.rollout)`` gives the keywords a
+run's config adds for its engine kind (vLLM's memory share, tensor parallelism, length cap).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from infra.engines.base import (
     EngineAsleepError,
@@ -18,12 +19,16 @@ from infra.engines.base import (
 )
 from infra.engines.vllm_engine import VLLMUnavailableError, is_vllm_available
 
+if TYPE_CHECKING:
+    from infra.config import RolloutConfig
+
 __all__ = [
     "EngineAsleepError",
     "GenerationEngine",
     "GenerationOutput",
     "Sleepable",
     "VLLMUnavailableError",
+    "engine_options",
     "is_vllm_available",
     "make_engine",
 ]
@@ -31,11 +36,25 @@ __all__ = [
 EngineKind = Literal["hf", "vllm"]
 
 
+def engine_options(rollout: RolloutConfig) -> dict[str, Any]:
+    """The keywords ``rollout`` (a run's ``rollout`` section) adds to ``make_engine`` for its
+    engine kind: for vLLM ``gpu_memory_utilization``, ``tensor_parallel_size`` and
+    ``max_model_len``; nothing for the transformers engine."""
+    if rollout.engine != "vllm":
+        return {}
+    return {
+        "gpu_memory_utilization": rollout.gpu_memory_utilization,
+        "tensor_parallel_size": rollout.tensor_parallel_size,
+        "max_model_len": rollout.max_model_len,
+    }
+
+
 def make_engine(kind: EngineKind, model_path: str | Path, **kw: Any) -> GenerationEngine:
     """Build the rollout engine ``kind`` for the model at ``model_path``.
 
     ``kw`` goes to the backend: ``TransformersEngine(device=, dtype=, eos_token_id=,
-    pad_token_id=)`` or ``VLLMEngine(dtype=, gpu_memory_utilization=, ...)``.
+    pad_token_id=)`` or ``VLLMEngine(dtype=, gpu_memory_utilization=, tensor_parallel_size=,
+    max_model_len=, ...)``.
     Raises VLLMUnavailableError for ``"vllm"`` without vLLM, ValueError for an unknown kind.
     """
     if kind == "hf":

@@ -1,27 +1,37 @@
 """Rollout with vLLM on CUDA, behind the same ``GenerationEngine`` interface as the HF engine.
 
 vLLM is imported lazily: this module imports (and ``is_vllm_available()`` answers) on machines
-without it. The engine uses vLLM's sleep mode so it can share devices with the reward model and
-the trainer: ``sleep()`` is ``llm.sleep(level=1)`` (weights offloaded to CPU, KV cache dropped)
-and ``wake_up()`` is ``llm.wake_up()``.
+without it. The engine is a ``vllm.LLM`` built through vLLM's public options only:
 
-Weight sync calls the in-process model's ``load_weights``; for that the engine sets
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (unless already set) so the model lives in this process.
-Weights given while asleep are kept as a CPU copy and loaded during the next ``wake_up()``,
-after the weights and before the KV cache are restored.
+* ``worker_extension_cls`` adds ``infra.engines.vllm_extension.WeightSync`` to every vLLM worker,
+  and ``load_weights`` calls it on all of them with ``llm.collective_rpc``. The weights travel as
+  a safetensors file (in ``/dev/shm`` when it has room) whose path is the RPC's one argument, so
+  the same call works with tensor parallelism (each rank keeps its slice) and with vLLM's V1
+  engine in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING`` is left as the user set it).
+  After a sync the prefix cache is reset: cached blocks were computed with the old weights.
+* Sleep mode lets the engine share devices with the reward model and the trainer: ``sleep()`` is
+  ``llm.sleep(level=1)`` (weights offloaded to CPU, KV cache dropped) and ``wake_up()`` is
+  ``llm.wake_up()``. Weights given while asleep are written to their file at once (the trainer
+  may change its tensors before the engine wakes) and loaded during the next ``wake_up()``:
+  ``llm.wake_up(tags=["weights"])`` restores the old weights, the new ones are loaded over
+  them, then ``llm.wake_up(tags=["kv_cache"])`` allocates the KV cache.
+* ``gpu_memory_utilization``, ``tensor_parallel_size`` and ``max_model_len`` are keywords (the
+  config's ``rollout.*`` keys of the same names). With ``tensor_parallel_size > 1`` vLLM runs its
+  ranks as local processes (``distributed_executor_backend="mp"``) on the devices this process
+  may see, which inside a Ray worker are the GPUs Ray gave it.
 
 Logprobs come from ``logprobs_mode="processed_logprobs"`` (temperature applied), which matches
 the contract of ``infra.engines.base`` when ``top_p == 1``; vLLM versions whose processed
 logprobs include the top-p mask return renormalised logprobs when ``top_p < 1``.
 
-Not exercised in this repository's CPU test tier (vLLM is not installed there); the tests in
-``tests/infra/test_vllm_engine.py`` run on a CUDA machine with vLLM.
+The CPU test tier checks the option building and the extension against a stand-in for vLLM's
+worker; ``tests/infra/test_vllm_engine.py`` runs the engine itself on a CUDA machine with vLLM.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,8 +40,9 @@ import torch
 from torch import Tensor
 
 from infra.engines.base import EngineAsleepError, GenerationOutput, check_generate_args
+from infra.engines.vllm_extension import LOAD_METHOD, WORKER_EXTENSION, write_weights
 
-__all__ = ["VLLMEngine", "VLLMUnavailableError", "is_vllm_available"]
+__all__ = ["VLLMEngine", "VLLMUnavailableError", "is_vllm_available", "llm_options"]
 
 
 class VLLMUnavailableError(ImportError):
@@ -43,13 +54,68 @@ def is_vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+
+
+def llm_options(
+    model_path: str | Path,
+    *,
+    dtype: torch.dtype | str = "auto",
+    gpu_memory_utilization: float = 0.5,
+    tensor_parallel_size: int = 1,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    **llm_kwargs: Any,
+) -> dict[str, Any]:
+    """The keyword arguments ``VLLMEngine`` gives ``vllm.LLM``; ``llm_kwargs`` override them.
+
+    Raises ValueError, naming the setting, for values vLLM would refuse later and less clearly.
+    """
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(
+            f"gpu_memory_utilization must lie in (0, 1] (rollout.gpu_memory_utilization), "
+            f"got {gpu_memory_utilization}"
+        )
+    if tensor_parallel_size < 1:
+        raise ValueError(
+            f"tensor_parallel_size must be >= 1 (rollout.tensor_parallel_size), "
+            f"got {tensor_parallel_size}"
+        )
+    if max_model_len is not None and max_model_len < 1:
+        raise ValueError(
+            f"max_model_len must be >= 1 or None (rollout.max_model_len), got {max_model_len}"
+        )
+    options: dict[str, Any] = {
+        "model": str(model_path),
+        "dtype": _dtype_name(dtype),
+        "enable_sleep_mode": True,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "tensor_parallel_size": tensor_parallel_size,
+        "seed": seed,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+    if max_model_len is not None:
+        options["max_model_len"] = max_model_len
+    if tensor_parallel_size > 1:
+        options["distributed_executor_backend"] = "mp"
+    options.update(llm_kwargs)
+    return options
+
+
+def _remove(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
 class VLLMEngine:
-    """A ``GenerationEngine`` over ``vllm.LLM`` with sleep mode enabled.
+    """A ``GenerationEngine`` over ``vllm.LLM`` with sleep mode and collective weight sync.
 
     ``device`` must be a CUDA device (vLLM places the model itself; the argument exists so both
     engines take the same keywords). ``eos_token_id`` adds stop tokens on top of the model's own
-    EOS; ``pad_token_id`` is accepted and unused (vLLM never pads). ``llm_kwargs`` go to
-    ``vllm.LLM`` unchanged (e.g. ``max_model_len``, ``enforce_eager``).
+    EOS; ``pad_token_id`` is accepted and unused (vLLM never pads). The other keywords and
+    ``llm_kwargs`` (e.g. ``enforce_eager``) become ``vllm.LLM``'s options (see ``llm_options``).
     """
 
     def __init__(
@@ -62,6 +128,7 @@ class VLLMEngine:
         pad_token_id: int | None = None,
         gpu_memory_utilization: float = 0.5,
         tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
         seed: int = 0,
         **llm_kwargs: Any,
     ) -> None:
@@ -73,22 +140,21 @@ class VLLMEngine:
         del pad_token_id  # vLLM never pads
         if torch.device(device).type != "cuda":
             raise ValueError(f"VLLMEngine runs on CUDA only, got device={device!r}; use kind='hf'")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        options = llm_options(
+            model_path,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            seed=seed,
+            **llm_kwargs,
+        )
         from vllm import LLM
 
-        if isinstance(dtype, torch.dtype):
-            dtype = str(dtype).removeprefix("torch.")
-        options: dict[str, Any] = {
-            "model": str(model_path),
-            "dtype": dtype,
-            "enable_sleep_mode": True,
-            "gpu_memory_utilization": gpu_memory_utilization,
-            "tensor_parallel_size": tensor_parallel_size,
-            "seed": seed,
-            "logprobs_mode": "processed_logprobs",
-        }
-        options.update(llm_kwargs)
         self._llm = LLM(**options)
+        # The synced file holds what the engine stores; "auto" keeps the trainer's dtype.
+        stored = getattr(torch, _dtype_name(dtype), None)
+        self._weights_dtype = stored if isinstance(stored, torch.dtype) else None
         if eos_token_id is None:
             self._stop_token_ids: list[int] = []
         elif isinstance(eos_token_id, int):
@@ -96,11 +162,17 @@ class VLLMEngine:
         else:
             self._stop_token_ids = [int(e) for e in eos_token_id]
         self._awake = True
-        self._pending_weights: dict[str, Tensor] | None = None
+        self._pending: list[Path | None] = [None]  # a list, so the finalizer sees updates
+        weakref.finalize(self, lambda pending: _remove(pending[0]), self._pending)
 
     @property
     def is_awake(self) -> bool:
         return self._awake
+
+    @property
+    def llm(self) -> Any:
+        """The ``vllm.LLM`` (e.g. for ``llm.collective_rpc`` in checks)."""
+        return self._llm
 
     def sleep(self) -> None:
         """Offload weights to CPU and drop the KV cache (vLLM sleep level 1). Idempotent."""
@@ -109,29 +181,44 @@ class VLLMEngine:
             self._awake = False
 
     def wake_up(self) -> None:
-        """Restore weights (then any weights synced while asleep) and the KV cache. Idempotent."""
+        """Restore weights, load any weights synced while asleep, then the KV cache. Idempotent."""
         if self._awake:
             return
-        if self._pending_weights is None:
+        pending = self._pending[0]
+        if pending is None:
             self._llm.wake_up()
         else:
             self._llm.wake_up(tags=["weights"])
-            self._load_now(self._pending_weights)
-            self._pending_weights = None
+            try:
+                self._load_file(pending)
+            finally:
+                self._pending[0] = None
+                _remove(pending)
             self._llm.wake_up(tags=["kv_cache"])
+            self._llm.reset_prefix_cache()
         self._awake = True
 
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
-        """Sync the trainer's weights (HF parameter names); deferred to ``wake_up`` if asleep."""
-        if self._awake:
-            self._load_now(state_dict)
-        else:  # copy: the trainer may update its tensors in place before we wake
-            self._pending_weights = {
-                k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()
-            }
+        """Sync the trainer's weights (HF parameter names) into every vLLM worker.
 
-    def _load_now(self, state_dict: Mapping[str, Tensor]) -> None:
-        _driver_model(self._llm).load_weights(weights=list(state_dict.items()))
+        Awake: loaded now. Asleep: written now, loaded by the next ``wake_up()`` (a later call
+        while still asleep replaces the earlier one).
+        """
+        path = write_weights(state_dict, dtype=self._weights_dtype)
+        if not self._awake:
+            _remove(self._pending[0])
+            self._pending[0] = path
+            return
+        try:
+            self._load_file(path)
+        finally:
+            _remove(path)
+        self._llm.reset_prefix_cache()
+
+    def _load_file(self, path: Path) -> None:
+        counts = self._llm.collective_rpc(LOAD_METHOD, args=(str(path),))
+        if not counts or any(count == 0 for count in counts):
+            raise RuntimeError(f"vLLM weight sync loaded no tensors from {path} (got {counts})")
 
     def generate(
         self,
@@ -184,19 +271,3 @@ class VLLMEngine:
                     )
                 )
         return GenerationOutput(response_ids, rollout_logprobs)
-
-
-def _driver_model(llm: Any) -> Any:
-    """The in-process ``nn.Module`` vLLM runs (V1 without multiprocessing, or V0)."""
-    executor = llm.llm_engine.model_executor
-    worker = getattr(executor, "driver_worker", None)
-    for path in (("worker", "model_runner", "model"), ("model_runner", "model")):
-        node = worker
-        for attribute in path:
-            node = getattr(node, attribute, None)
-        if node is not None:
-            return node
-    raise RuntimeError(
-        "cannot reach vLLM's in-process model for weight sync; run with "
-        "VLLM_ENABLE_V1_MULTIPROCESSING=0 and tensor_parallel_size=1"
-    )
