@@ -403,11 +403,11 @@ class ModelWorker:
         trained = getattr(self, role)
         module = trained.module
         if role == "actor" and self.lora:
-            from infra.lora import adapter_state, merged_state_dict, save_adapter
+            from infra.lora import adapter_state_dict, merged_state_dict, save_adapter
             from infra.training import gather_full
 
             weights = merged_state_dict(module, full=gather_full)
-            adapter = adapter_state(module, full=gather_full)
+            adapter = adapter_state_dict(module, full=gather_full)
             if self.spec.rank == 0:
                 save_adapter(module, out / "actor-adapter", state=adapter)
         else:

@@ -168,16 +168,23 @@ def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[str, ...
     """Worker side: read my samples → the forward passes of ``names`` → write them."""
     batch = read_packed(worker, shard)
     n = batch.response_lengths
+
+    def agree(count: int) -> int:  # as many forward passes on every worker (FSDP collectives)
+        return agree_count(worker, count)
+
     out: dict[str, Tensor] = {}
     if "old_logprobs" in names:
         with worker.awake("actor") as actor:
-            out["old_logprobs"] = from_padded(response_logprobs(worker, actor.module, batch), n)
+            logprobs = response_logprobs(worker, actor.module, batch, count_reducer=agree)
+            out["old_logprobs"] = from_padded(logprobs, n)
     if "ref_logprobs" in names:
         with worker.reference() as ref:
-            out["ref_logprobs"] = from_padded(response_logprobs(worker, ref, batch), n)
+            logprobs = response_logprobs(worker, ref, batch, count_reducer=agree)
+            out["ref_logprobs"] = from_padded(logprobs, n)
     if "values" in names:
         with worker.awake("critic") as critic:
-            out["values"] = from_padded(response_values(worker, critic.module, batch), n)
+            values = response_values(worker, critic.module, batch, count_reducer=agree)
+            out["values"] = from_padded(values, n)
     worker.write(shard, out)
 
 
@@ -185,5 +192,7 @@ def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[str, ...
 def logprobs(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     ctx.inject("logprobs", step, ctx.train_group)
     names = writes(ctx)  # never empty here: the training loop leaves the task out then
-    ctx.train_group.run_sharded(forward_rows, meta, skip_empty=True, names=names)
+    # Every training worker takes part (equal shards: the batch divides by the worker count), as
+    # sharded models' forward passes are collectives.
+    ctx.train_group.run_sharded(forward_rows, meta, names=names)
     return meta.with_fields(*names)

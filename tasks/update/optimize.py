@@ -20,6 +20,7 @@ is left as the caller set it (turn dropout off for PPO, e.g. `model.eval()`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,9 @@ __all__ = [
 ]
 
 GradReducer = Callable[[nn.Module], None]
+# grad_sync(last) wraps a micro-batch's backward: True on the optimizer step's last one, where a
+# sharded module reduces gradients (the others accumulate locally), e.g. infra.training's.
+GradSync = Callable[[bool], contextlib.AbstractContextManager[None]]
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 
@@ -412,6 +416,7 @@ class _Epochs:
         global_tokens: float | Sequence[float] | None,
         global_seqs: float | Sequence[float] | None,
         micro_batch_count: MicroBatchCount | None = None,
+        grad_sync: GradSync | None = None,
     ) -> _Tally:
         cfg, tally = self.cfg, _Tally()
         override = global_tokens if cfg.agg == "token-mean" else global_seqs
@@ -434,11 +439,14 @@ class _Epochs:
             )
             for mini_rows, denominator in zip(minibatches, denominators):
                 # 2. Forward/backward every micro-batch with the mini-batch's denominator.
-                for micro_rows in _micro_rows(batch, mini_rows, cfg, micro_batch_count):
+                micro = _micro_rows(batch, mini_rows, cfg, micro_batch_count)
+                for index, micro_rows in enumerate(micro):
                     mb, mb_tensors = _micro_batch(batch, per_token, micro_rows, device)
-                    tally.add_step(
-                        **step(mb=mb, mb_tensors=mb_tensors, loss_denominator=denominator)
-                    )
+                    last = index == len(micro) - 1
+                    with grad_sync(last) if grad_sync is not None else contextlib.nullcontext():
+                        tally.add_step(
+                            **step(mb=mb, mb_tensors=mb_tensors, loss_denominator=denominator)
+                        )
                 # 3. Reduce, clip, step.
                 grad_norm = _optimizer_step(
                     model=self.model,
@@ -466,6 +474,7 @@ def actor_update(
     global_tokens: float | Sequence[float] | None = None,
     global_seqs: float | Sequence[float] | None = None,
     micro_batch_count: MicroBatchCount | None = None,
+    grad_sync: GradSync | None = None,
 ) -> dict[str, float]:
     """PPO epochs over `batch`; old_logprobs, advantages, ref_logprobs are (B, T).
 
@@ -501,7 +510,14 @@ def actor_update(
         role="actor", model=model, optimizer=optimizer, cfg=cfg, micro_step=_actor_micro_step
     )
     tally = loop.run(
-        batch, per_token, scheduler, grad_reducer, global_tokens, global_seqs, micro_batch_count
+        batch,
+        per_token,
+        scheduler,
+        grad_reducer,
+        global_tokens,
+        global_seqs,
+        micro_batch_count,
+        grad_sync,
     )
     metrics = tally.metrics()
     metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
@@ -562,6 +578,7 @@ def critic_update(
     global_tokens: float | Sequence[float] | None = None,
     global_seqs: float | Sequence[float] | None = None,
     micro_batch_count: MicroBatchCount | None = None,
+    grad_sync: GradSync | None = None,
 ) -> dict[str, float]:
     """Clipped value-loss epochs over `batch`; old_values and returns are (B, T).
 
@@ -575,7 +592,14 @@ def critic_update(
         role="critic", model=model, optimizer=optimizer, cfg=cfg, micro_step=_critic_micro_step
     )
     tally = loop.run(
-        batch, per_token, scheduler, grad_reducer, global_tokens, global_seqs, micro_batch_count
+        batch,
+        per_token,
+        scheduler,
+        grad_reducer,
+        global_tokens,
+        global_seqs,
+        micro_batch_count,
+        grad_sync,
     )
     metrics = tally.metrics()
     metrics["critic/lr"] = float(optimizer.param_groups[0]["lr"])

@@ -14,6 +14,7 @@ batch sizes are the configured (global) ones divided by the world size (``actor_
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -22,11 +23,12 @@ from prefect.cache_policies import NO_CACHE
 from torch import Tensor
 
 from infra.config import OptimConfig, TrainConfig
+from infra.training import gradient_sync
 from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.context import StageContext
 from tasks.io import padded
-from tasks.logprobs.stage import read_packed
+from tasks.logprobs.stage import agree_count, read_packed
 from tasks.update.optimize import (
     ActorUpdateSettings,
     CriticUpdateSettings,
@@ -141,9 +143,14 @@ def _update(
             "optimizer": role.optimizer,
             "scheduler": role.scheduler,
             "batch": batch,
+            "micro_batch_count": agree,
+            "grad_sync": functools.partial(gradient_sync, role.module),
             "global_tokens": units,
             "global_seqs": units,
         }
+
+    def agree(n: int) -> int:
+        return agree_count(worker, n)
 
     metrics: dict[str, float] = {}
     with worker.awake("actor") as model:
