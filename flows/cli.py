@@ -170,6 +170,20 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from flows.export import ExportError, export_policy
+
+    try:
+        out = export_policy(
+            Path(args.run_dir), out=Path(args.out), step=args.step, adapter_only=args.adapter_only
+        )
+    except ExportError as exc:
+        print(f"ppoflow export: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_defaults()
     parser = argparse.ArgumentParser(
@@ -201,6 +215,16 @@ def main(argv: list[str] | None = None) -> int:
         "--prefect-yaml", default=None, help="default: ./prefect.yaml, else the packaged one"
     )
     serve.set_defaults(fn=_serve)
+    export = sub.add_parser(
+        "export", help="write a checkpoint's policy as one save_pretrained folder"
+    )
+    export.add_argument("run_dir", help="the run's directory (run_dir)")
+    export.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    export.add_argument("--out", required=True, help="a new or empty folder")
+    export.add_argument(
+        "--adapter-only", action="store_true", help="LoRA runs: write the adapter alone"
+    )
+    export.set_defaults(fn=_export)
     data = sub.add_parser("data", help="write the built-in task's prompts in verl's layout")
     data.add_argument("dataset", choices=["addition"])
     data.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")

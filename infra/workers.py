@@ -20,6 +20,7 @@ or sequence count, so N workers make the same update as one).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -416,6 +417,11 @@ class ModelWorker:
             return
         cast = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in weights.items()}
         plain_model(module).save_pretrained(out / role, state_dict=cast, safe_serialization=True)
+        # save_pretrained records the parameters' dtype (float32 masters); the folder holds these.
+        config = out / role / "config.json"
+        fields = json.loads(config.read_text())
+        fields["dtype"] = str(self.dtype).removeprefix("torch.")
+        config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
         if role == "actor":
             self.tokenizer.save_pretrained(out / role)
 

@@ -143,7 +143,8 @@ def response_logprobs(
     def gather(logits: Tensor, mb: PackedBatch) -> Tensor:
         # On the logits' device: only the response positions are cast to float32, and only the
         # (b, T) log-probabilities come back to the host.
-        return gather_response_logprobs(logits=logits, batch=mb, temperature=temperature).cpu()
+        logprobs = gather_response_logprobs(logits=logits, batch=mb, temperature=temperature)
+        return logprobs.float().cpu()
 
     return micro_forward(worker, model, batch, gather, count_reducer=count_reducer)
 
