@@ -349,7 +349,9 @@ class ActorOptimConfig(OptimConfig):
 
 
 class LogprobsConfig(_Section):
-    """The forward-only passes of the logprobs stage (old log-probs, reference, values)."""
+    """Micro-batches of forward-only passes: ``logprobs`` for the logprobs stage's passes (old
+    log-probs, values, and the reference's unless ``ref`` says otherwise), ``ref`` for the
+    reference's."""
 
     micro_batch_size: int | None = Field(
         None, ge=1, description="Rows per forward pass (None = actor.micro_batch_size)."
@@ -525,6 +527,10 @@ class TrainConfig(_Section):
     actor: ActorOptimConfig = Field(default_factory=ActorOptimConfig)
     critic: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
     logprobs: LogprobsConfig = Field(default_factory=LogprobsConfig)
+    ref: LogprobsConfig = Field(
+        default_factory=LogprobsConfig,
+        description="The reference policy's forward passes (None values = logprobs').",
+    )
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
@@ -588,6 +594,7 @@ class TrainConfig(_Section):
             ("actor", self.actor.max_tokens_per_micro_batch),
             ("critic", self.critic.max_tokens_per_micro_batch),
             ("logprobs", self.logprobs.max_tokens_per_micro_batch),
+            ("ref", self.ref.max_tokens_per_micro_batch),
         ):
             if budget is not None and budget < longest:
                 raise ValueError(
@@ -629,6 +636,14 @@ class TrainConfig(_Section):
     @property
     def logprobs_max_tokens(self) -> int | None:
         return self.logprobs.max_tokens_per_micro_batch or self.actor.max_tokens_per_micro_batch
+
+    def forward_batching(self, section: Literal["logprobs", "ref"]) -> tuple[int, int | None]:
+        """Rows and token budget (None = fixed rows) of one micro-batch of a forward-only pass:
+        ``ref`` falls back to ``logprobs``, which falls back to ``actor``."""
+        if section == "ref":
+            rows = self.ref.micro_batch_size or self.logprobs_micro_batch_size
+            return rows, self.ref.max_tokens_per_micro_batch or self.logprobs_max_tokens
+        return self.logprobs_micro_batch_size, self.logprobs_max_tokens
 
     @property
     def batch_size(self) -> int:

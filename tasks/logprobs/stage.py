@@ -12,6 +12,7 @@ before any weight changes, as ``old_logprobs``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from prefect import task
@@ -88,22 +89,23 @@ def micro_forward(
     gather: Callable[[Tensor, PackedBatch], Tensor],
     *,
     count_reducer: Callable[[int], int] | None = None,
+    section: Literal["logprobs", "ref"] = "logprobs",
 ) -> Tensor:
     """``gather(logits, micro_batch)`` over micro-batches of the batch, as one (B, T) tensor in
     the batch's row order.
 
-    Micro-batches are runs of ``cfg.logprobs_micro_batch_size`` rows (full widths) or, with
-    ``cfg.logprobs_max_tokens``, token-budget micro-batches of rows sorted by prompt + response
+    Micro-batches (``cfg.forward_batching(section)``) are runs of rows (full widths) or, with a
+    token budget, token-budget micro-batches of rows sorted by prompt + response
     length (``token_micro_batches``), each trimmed to its own longest row; their (b, t) outputs
     are zero-padded back to T. ``count_reducer`` maps this worker's micro-batch count to the one
     to run (e.g. ``lambda n: agree_count(worker, n)`` under FSDP; None = its own count); a
     larger count re-splits the rows.
     """
-    cfg, rows = worker.cfg, batch.batch_size
-    budget = cfg.logprobs_max_tokens
+    rows = batch.batch_size
+    micro, budget = worker.cfg.forward_batching(section)
     lengths = batch.prompt_lengths + batch.response_lengths  # (B,)
     if budget is None:
-        micro = max(cfg.logprobs_micro_batch_size, 1)
+        micro = max(micro, 1)
         own = -(-rows // micro)
     else:
         own = count_token_micro_batches(lengths, budget)
@@ -135,9 +137,10 @@ def response_logprobs(
     batch: PackedBatch,
     *,
     count_reducer: Callable[[int], int] | None = None,
+    section: Literal["logprobs", "ref"] = "logprobs",
 ) -> Tensor:
     """Log-probabilities (B, T) of the response tokens at the rollout temperature
-    (``count_reducer`` as in ``micro_forward``)."""
+    (``count_reducer`` and ``section`` as in ``micro_forward``)."""
     temperature = worker.cfg.rollout.temperature or 1.0
 
     def gather(logits: Tensor, mb: PackedBatch) -> Tensor:
@@ -146,7 +149,7 @@ def response_logprobs(
         logprobs = gather_response_logprobs(logits=logits, batch=mb, temperature=temperature)
         return logprobs.float().cpu()
 
-    return micro_forward(worker, model, batch, gather, count_reducer=count_reducer)
+    return micro_forward(worker, model, batch, gather, count_reducer=count_reducer, section=section)
 
 
 def response_values(
@@ -180,7 +183,7 @@ def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[str, ...
             out["old_logprobs"] = from_padded(logprobs, n)
     if "ref_logprobs" in names:
         with worker.reference() as ref:
-            logprobs = response_logprobs(worker, ref, batch, count_reducer=agree)
+            logprobs = response_logprobs(worker, ref, batch, count_reducer=agree, section="ref")
             out["ref_logprobs"] = from_padded(logprobs, n)
     if "values" in names:
         with worker.awake("critic") as critic:

@@ -282,10 +282,18 @@ def test_settings_reject_a_non_positive_budget() -> None:
 
 
 def fake_worker(micro: int, budget: int | None) -> Any:
-    cfg = SimpleNamespace(
-        logprobs_micro_batch_size=micro,
-        logprobs_max_tokens=budget,
-        rollout=SimpleNamespace(temperature=0.9),
+    """The worker surface ``micro_forward`` reads, with a real run config."""
+    from infra.config import load_config
+
+    cfg = load_config(
+        None,
+        [
+            f"logprobs.micro_batch_size={micro}",
+            f"logprobs.max_tokens_per_micro_batch={'null' if budget is None else budget}",
+            "rollout.temperature=0.9",
+            "rollout.max_new_tokens=1",
+            "data.max_prompt_length=1",
+        ],
     )
     return SimpleNamespace(cfg=cfg, device=torch.device("cpu"), spec=SimpleNamespace(world_size=1))
 
