@@ -8,8 +8,10 @@ Step budgets (not seconds) make the run the same on any machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,12 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the run's own bound (below); the suite's default is shorter
 def test_main_job_learns_from_the_reward_model_alone(tmp_path: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="mj", dir="/tmp"))
     env = dict(os.environ, PREFECT_HOME=str(tmp / "prefect"), TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
     env.pop("PREFECT_API_URL", None)
     run_dir = tmp_path / "main"
-    done = subprocess.run(
+    # Its own session: whatever ends the test (a failure, the timeout) stops the run and the
+    # Prefect server it started, by process group.
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -36,10 +41,18 @@ def test_main_job_learns_from_the_reward_model_alone(tmp_path: Path) -> None:
             f"models.assets_dir={tmp_path / 'assets'}",
         ],
         env=env,
-        timeout=1500,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
+    try:
+        _, stderr = proc.communicate(timeout=1500)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the run if still going, and what it left
+        proc.wait()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/rule_accuracy"] for r in rows if "eval/rule_accuracy" in r]
