@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv train test test-all lint typecheck bench-store bench-algos bench-pipeline clean
+.PHONY: venv train test test-all lint typecheck bench-store bench-algos bench-pipeline bench-memory clean
 
 venv: $(STAMP)
 
@@ -42,6 +42,9 @@ bench-algos: venv
 
 bench-pipeline: venv
 	$(PY) benchmarks/pipeline.py
+
+bench-memory: venv
+	$(PY) benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) runs .ppoflow

@@ -245,8 +245,13 @@ class ModelWorker:
 
     @property
     def reference_is_actor(self) -> bool:
-        """The reference policy is the actor with its LoRA adapter disabled (no second model)."""
-        return self.lora and self.spec.reference_path is None
+        """The reference policy is the actor with its LoRA adapter disabled (no second model):
+        with LoRA, unless the reference is another folder than the policy's (a flow always names
+        one: ``models.reference`` resolves to the policy's folder when unset)."""
+        ref = self.spec.reference_path
+        return self.lora and (
+            ref is None or Path(ref).resolve() == Path(self.spec.policy_path).resolve()
+        )
 
     def _build_ref(self) -> None:
         from transformers import AutoModelForCausalLM

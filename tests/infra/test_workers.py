@@ -170,6 +170,35 @@ def test_two_roles_are_never_awake_together(worker: ModelWorker) -> None:
     assert worker.awake_roles() == []
 
 
+@pytest.mark.parametrize("reference", ["policy", "another folder"])
+def test_a_lora_actor_is_the_reference_unless_another_folder_is_given(
+    assets, tmp_path, reference: str
+) -> None:
+    """A flow always names the reference folder (``models.reference`` resolves to the policy's):
+    with LoRA the policy's own folder means the actor with its adapter disabled and no second
+    model; another folder is loaded as a reference model of its own."""
+    import shutil
+
+    folder = assets.policy
+    if reference != "policy":
+        folder = tmp_path / "reference"
+        shutil.copytree(assets.policy, folder)
+    spec = WorkerSpec(
+        roles=("actor", "ref"),
+        cfg=load_config(None, [*OVERRIDES, "actor.lora={rank: 4, alpha: 8}"]),
+        policy_path=str(assets.policy),
+        tokenizer_path=str(assets.tokenizer),
+        reference_path=str(folder),
+    )
+    worker = ModelWorker(spec)
+    alone = reference == "policy"
+    assert worker.reference_is_actor is alone
+    assert hasattr(worker, "ref") is not alone
+    with worker.reference() as ref:
+        assert (ref is worker.actor.module) is alone
+    assert worker.awake_roles() == []
+
+
 def test_data_parallel_update_equals_one_worker(ray_local, assets) -> None:
     """Two gloo workers, each reading half the batch from a Ray store, make the same update as
     one worker on all of it."""
