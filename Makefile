@@ -40,8 +40,12 @@ bench-store: venv
 bench-algos: venv
 	$(PY) benchmarks/algos.py
 
+# bench-pipeline: ppoflow vs TRL, fixed-length GRPO and PPO (the default --modes grpo ppo);
+# the variable-length GRPO workload (responses end at EOS, up to 256 tokens, groups of 8):
+#   make bench-pipeline ARGS="--modes grpo-varlen --steps 5 --warmup 2 --rounds 1 \
+#       --wait-load 1.0 --output benchmarks/results/pipeline-varlen.json"
 bench-pipeline: venv
-	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/pipeline.py $(ARGS)
 
 bench-memory: venv
 	$(PY) benchmarks/memory.py

@@ -1,5 +1,5 @@
 """What the TRL peer scripts share: arguments, offline settings, prompts, a step clock, a token
-counter and the JSON report. Runs inside a peer venv (``benchmarks/.venvs/trl-*``), imported by
+counter, phase timers and the JSON report. Runs inside a peer venv (``benchmarks/.venvs/trl-*``), imported by
 ``trl_grpo.py`` and ``trl_ppo.py`` beside it; it never imports ppoflow.
 """
 
@@ -44,11 +44,25 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--response-tokens", type=int, default=64)
     parser.add_argument("--kl-coef", type=float, default=0.05)
     parser.add_argument("--lam", type=float, default=0.95)
+    parser.add_argument(
+        "--variable-length",
+        action="store_true",
+        help="responses end at EOS (no min_new_tokens); the models come from WORK/varlen",
+    )
+    parser.add_argument("--prompts", help="a JSON Lines prompt file (verl's layout), in file order")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     random.seed(0)
     torch.manual_seed(0)
     return args
+
+
+def prompt_file_messages(path: str, count: int) -> list[list[dict[str, str]]]:
+    """The ``prompt`` messages of the first ``count`` rows of a JSON Lines file, in file order,
+    wrapping around when the file is shorter."""
+    with open(path) as f:
+        rows = [json.loads(line)["prompt"] for line in f if line.strip()]
+    return [rows[i % len(rows)] for i in range(count)]
 
 
 def addition_messages(count: int, *, seed: int = 0) -> list[list[dict[str, str]]]:
@@ -60,23 +74,51 @@ def addition_messages(count: int, *, seed: int = 0) -> list[list[dict[str, str]]
     ]
 
 
-class StepClock(TrainerCallback):
-    """Wall and process CPU time at every ``on_step_end``: step k took ``ends[k] - ends[k - 1]``."""
+class Phases:
+    """Seconds spent inside named callables, added up: ``wrap(owner, name, phase)`` replaces
+    ``owner.name`` on the instance by a timed forwarder. ``StepClock`` snapshots the totals at
+    every step end, so each step's share is the difference of two snapshots."""
 
     def __init__(self) -> None:
+        self.total: dict[str, float] = {}
+
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+        self.total.setdefault(phase, 0.0)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.total[phase] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+class StepClock(TrainerCallback):
+    """Wall and process CPU time at every ``on_step_end``: step k took ``ends[k] - ends[k - 1]``;
+    with ``phases``, their running totals too."""
+
+    def __init__(self, phases: Phases | None = None) -> None:
         self.ends: list[float] = []
         self.cpu: list[float] = []
+        self.phases = phases
+        self.phase_totals: list[dict[str, float]] = []
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.ends.append(time.perf_counter())
         self.cpu.append(time.process_time())
+        if self.phases is not None:
+            self.phase_totals.append(dict(self.phases.total))
         return control
 
 
 class TokenCounter:
     """Wraps ``model.generate`` on the instance: counts each call's generated tokens per row (up
-    to and including the first EOS) and its prompt width; ``min_new_tokens`` is injected when
-    given (fixed-length completions, the benchmark's equal-work rule)."""
+    to and including the first EOS), its prompt width, its decoded width and its seconds;
+    ``min_new_tokens`` is injected when given (fixed-length completions, the benchmark's
+    equal-work rule)."""
 
     def __init__(self, model: Any, *, eos_id: int, min_new_tokens: int | None = None) -> None:
         self.calls: list[dict[str, int]] = []
@@ -88,7 +130,9 @@ class TokenCounter:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._min_new_tokens is not None:
             kwargs.setdefault("min_new_tokens", self._min_new_tokens)
+        start = time.perf_counter()
         out = self._generate(*args, **kwargs)
+        seconds = time.perf_counter() - start
         ids = kwargs.get("input_ids", args[0] if args else None)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         width = int(ids.shape[1])
@@ -96,7 +140,14 @@ class TokenCounter:
         is_eos = new == self._eos_id
         first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, new.shape[1])  # (B,)
         self.calls.append(
-            {"rows": int(new.shape[0]), "prompt_width": width, "tokens": int(first.sum())}
+            {
+                "rows": int(new.shape[0]),
+                "prompt_width": width,
+                "tokens": int(first.sum()),
+                "lengths": first.tolist(),
+                "decoded_width": int(new.shape[1]),
+                "seconds": seconds,
+            }
         )
         return out
 
@@ -119,6 +170,12 @@ def report(
             f"need {warmup + steps}"
         )
     step_s = [clock.ends[k] - clock.ends[k - 1] for k in timed]
+    phases: dict[str, list[float]] = {}
+    if clock.phase_totals:
+        totals = clock.phase_totals
+        phases = {
+            name: [totals[k][name] - totals[k - 1][name] for k in timed] for name in totals[0]
+        }
     result = {
         "ok": True,
         "system": system,
@@ -127,6 +184,10 @@ def report(
         "cpu_s_per_step": (clock.cpu[warmup + steps - 1] - clock.cpu[warmup - 1]) / steps,
         "tokens": [counter.calls[k]["tokens"] for k in timed],
         "rows": [counter.calls[k]["rows"] for k in timed],
+        "lengths": [counter.calls[k]["lengths"] for k in timed],
+        "decoded_width": [counter.calls[k]["decoded_width"] for k in timed],
+        "generate_call_s": [counter.calls[k]["seconds"] for k in timed],
+        "phases_s": phases,
         "prompt_width": sorted({c["prompt_width"] for c in counter.calls}),
         "peak_rss_self_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "torch_threads": torch.get_num_threads(),

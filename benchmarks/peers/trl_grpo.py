@@ -5,18 +5,36 @@ Runs inside ``benchmarks/.venvs/trl-1.16.0`` (built by ``benchmarks/pipeline.py`
     benchmarks/.venvs/trl-1.16.0/bin/python benchmarks/peers/trl_grpo.py --work DIR --out DIR
 
 The policy, reward model and tokenizer are loaded from ``DIR/policy`` and ``DIR/reward_model``
-and passed to the trainer as objects. Settings matched to ppoflow: 16 completions per step
-(4 prompts x 4), exactly 64 new tokens (``min_new_tokens`` = ``max_completion_length``), one
-optimizer step per batch (batch 16, no accumulation, one iteration), no reference (beta 0),
-the same lr, temperature 1, no gradient checkpointing (TRL's default is on), fp32, no logging
-integrations.
+(``DIR/varlen/...`` with ``--variable-length``) and passed to the trainer as objects. Settings
+matched to ppoflow: ``--completions`` per step in groups of ``--group-size`` (16 = 4 x 4 by
+default), exactly ``--response-tokens`` new tokens (``min_new_tokens`` =
+``max_completion_length``; with ``--variable-length`` responses end at EOS and that is only the
+cap), one optimizer step per batch (the whole batch generated in one ``generate`` call, as
+``generation_batch_size`` = batch x ``steps_per_generation`` 1, and trained in one
+forward/backward, no accumulation, one iteration), no reference (beta 0), the same lr, temperature 1, top_p 1, no top-k, no
+gradient checkpointing (TRL's default is on), fp32, no logging integrations. Prompts are
+``"ab+cd="`` additions, or the rows of ``--prompts`` in file order (no shuffling).
+
+Where a step's time goes (``phases_s`` in the JSON line, per timed step): ``generate`` (the
+policy's ``generate`` call), ``score`` (``_calculate_rewards``: the reward model), ``rollout``
+(all of ``_generate_and_score_completions``: generate, score, tokenising, padding,
+advantages), ``loss_forward`` (``compute_loss``) and ``training_step`` (rollout, loss forward
+and backward); the rest of a step is the optimizer step, the callbacks and logging.
 """
 
 from __future__ import annotations
 
 import time
 
-from common import StepClock, TokenCounter, addition_messages, parse_args, report
+from common import (
+    Phases,
+    StepClock,
+    TokenCounter,
+    addition_messages,
+    parse_args,
+    prompt_file_messages,
+    report,
+)
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
@@ -26,12 +44,18 @@ def main() -> None:
     started = time.perf_counter()
     args = parse_args(__doc__.splitlines()[0])
     total = args.warmup + args.steps
-    tokenizer = AutoTokenizer.from_pretrained(f"{args.work}/policy")
-    policy = AutoModelForCausalLM.from_pretrained(f"{args.work}/policy")
-    reward_model = AutoModelForSequenceClassification.from_pretrained(f"{args.work}/reward_model")
-    reward_tokenizer = AutoTokenizer.from_pretrained(f"{args.work}/reward_model")
+    models = f"{args.work}/varlen" if args.variable_length else args.work
+    tokenizer = AutoTokenizer.from_pretrained(f"{models}/policy")
+    policy = AutoModelForCausalLM.from_pretrained(f"{models}/policy")
+    reward_model = AutoModelForSequenceClassification.from_pretrained(f"{models}/reward_model")
+    reward_tokenizer = AutoTokenizer.from_pretrained(f"{models}/reward_model")
     prompts = args.completions // args.group_size
-    dataset = Dataset.from_dict({"prompt": addition_messages(prompts * total * 4)})
+    count = prompts * total * 4
+    messages = (
+        prompt_file_messages(args.prompts, count) if args.prompts else addition_messages(count)
+    )
+    dataset = Dataset.from_dict({"prompt": messages})
+    fixed = {} if args.variable_length else {"min_new_tokens": args.response_tokens}
     settings = {
         "per_device_train_batch_size": args.completions,
         "gradient_accumulation_steps": 1,
@@ -39,9 +63,10 @@ def main() -> None:
         "num_iterations": 1,
         "num_generations": args.group_size,
         "max_completion_length": args.response_tokens,
-        "generation_kwargs": {"min_new_tokens": args.response_tokens},
+        "generation_kwargs": fixed or None,
         "temperature": 1.0,
         "top_p": 1.0,
+        "top_k": 0,
         "beta": 0.0,
         "learning_rate": args.lr,
         "gradient_checkpointing": False,
@@ -53,10 +78,13 @@ def main() -> None:
         "max_steps": total,
         "seed": 0,
         "dataloader_num_workers": 0,
+        "shuffle_dataset": not args.prompts,
     }
     config = GRPOConfig(output_dir=args.out, **settings)
-    clock = StepClock()
+    phases = Phases()
+    clock = StepClock(phases)
     counter = TokenCounter(policy, eos_id=tokenizer.eos_token_id)
+    phases.wrap(policy, "generate", "generate")
     trainer = GRPOTrainer(
         model=policy,
         reward_funcs=reward_model,
@@ -66,6 +94,10 @@ def main() -> None:
         reward_processing_classes=reward_tokenizer,
         callbacks=[clock],
     )
+    phases.wrap(trainer, "_generate_and_score_completions", "rollout")
+    phases.wrap(trainer, "_calculate_rewards", "score")
+    phases.wrap(trainer, "compute_loss", "loss_forward")
+    phases.wrap(trainer, "training_step", "training_step")
     trainer.train()
     report(
         system="trl GRPOTrainer",

@@ -12,7 +12,7 @@ from typing import Any
 
 from .children import child_env, run_children
 from .settings import INSTALL_TIMEOUT_S, PEERS_DIR, QUIET_ENV, VENVS
-from .workload import WORK
+from .workload import VARLEN, VARLEN_MODES, WORK
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ class Peer:
 
 PEERS = {
     "grpo": Peer("grpo", "trl_grpo.py", "trl-1.16.0", "trl==1.16.0", "from trl import GRPOTrainer"),
+    "grpo-varlen": Peer(
+        "grpo-varlen", "trl_grpo.py", "trl-1.16.0", "trl==1.16.0", "from trl import GRPOTrainer"
+    ),
     "ppo": Peer(
         "ppo",
         "trl_ppo.py",
@@ -75,9 +78,14 @@ def run_peer(
     cmd = [str(python), str(PEERS_DIR / peer.script), "--work", str(work)]
     cmd += ["--out", str(work / f"trl-{peer.mode}-out"), "--steps", str(args.steps)]
     cmd += ["--warmup", str(args.warmup), "--threads", str(threads), "--lr", str(WORK.lr)]
-    cmd += ["--completions", str(WORK.completions), "--group-size", str(WORK.group_size)]
-    cmd += ["--response-tokens", str(WORK.response_tokens), "--kl-coef", str(WORK.kl_coef)]
-    cmd += ["--lam", str(WORK.lam)]
+    if peer.mode in VARLEN_MODES:
+        cmd += ["--completions", str(VARLEN.completions), "--group-size", str(VARLEN.group_size)]
+        cmd += ["--response-tokens", str(VARLEN.max_new_tokens), "--variable-length"]
+        cmd += ["--prompts", str(work / "varlen" / "prompts.jsonl")]
+    else:
+        cmd += ["--completions", str(WORK.completions), "--group-size", str(WORK.group_size)]
+        cmd += ["--response-tokens", str(WORK.response_tokens), "--kl-coef", str(WORK.kl_coef)]
+        cmd += ["--lam", str(WORK.lam)]
     logs = work / f"trl-{peer.mode}-{tag}-t{threads}"
     logs.mkdir()
     return run_children({"trl": cmd}, env=child_env(work, threads, ppoflow=False), logs=logs)["trl"]

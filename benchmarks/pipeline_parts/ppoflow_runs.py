@@ -19,8 +19,8 @@ from typing import Any
 
 from .children import child_env, run_children
 from .measure import tree_cpu_s
-from .settings import ASYNC_OVERRIDES, CHILD_TIMEOUT_S, SCRIPT, STAGES, VARIANTS
-from .workload import ppoflow_config, resolved_models
+from .settings import ASYNC_OVERRIDES, CHILD_TIMEOUT_S, SCRIPT, STAGES, STEP_PARTS, VARIANTS
+from .workload import VARLEN_MODES, ppoflow_config, resolved_models
 
 
 class Baton:
@@ -78,6 +78,25 @@ class Run:
     rows: list[dict[str, float]]
     step_s: list[float]
     store_s: list[float] = field(default_factory=list)
+
+
+def record_response_lengths() -> dict[int, list[int]]:
+    """Each training step's response lengths (tokens up to and including EOS), as the score
+    task sees them: ``tasks.score.stage.compute_scores`` is wrapped in this process (the flow's
+    tasks run here; validation holds its own reference and is not recorded)."""
+    import tasks.score.stage as score_stage
+
+    lengths: dict[int, list[int]] = {}
+    compute = score_stage.compute_scores
+
+    def recorded(ctx: Any, meta: Any) -> Any:
+        scores = compute(ctx, meta)
+        step = int(meta.partition_id.rsplit("-", 1)[1])  # train/step-000003
+        lengths[step] = [int(n) for n in scores.response_lengths.tolist()]
+        return scores
+
+    score_stage.compute_scores = recorded
+    return lengths
 
 
 def run_flow(cfg: Any, baton: Baton) -> Run:
@@ -276,6 +295,7 @@ def child_main(args: argparse.Namespace) -> None:
     )
     first, last = args.warmup, args.warmup + args.steps
     baton = Baton(args.baton, args.child, first=first, last=last)
+    lengths = record_response_lengths() if args.mode in VARLEN_MODES else {}
     run = RUNNERS[args.child](cfg, baton)
     timed_steps = range(first, last)
     result = {
@@ -283,8 +303,10 @@ def child_main(args: argparse.Namespace) -> None:
         "step_s": [run.step_s[k] for k in timed_steps],
         "iteration_s": [run.rows[k]["timing_s/step"] for k in timed_steps],
         "stages_s": {
-            s: [run.rows[k].get(f"timing_s/{s}", 0.0) for k in timed_steps] for s in STAGES
+            s: [run.rows[k].get(f"timing_s/{s}", 0.0) for k in timed_steps]
+            for s in (*STAGES, *STEP_PARTS)
         },
+        "lengths": [lengths[k] for k in timed_steps] if lengths else None,
         "store_s": [run.store_s[k] for k in timed_steps] if run.store_s else None,
         "tokens": [run.rows[k]["perf/total_num_tokens"] for k in timed_steps],
         **baton.cpu_per_step(),

@@ -158,6 +158,8 @@ def print_report(report: dict[str, Any]) -> None:
         f"{'RSS MB':>8}{'tree MB':>8}"
     )
     for mode, block in report["results"].items():
+        if "ppoflow" not in block:  # the variable-length mode: its own table below
+            continue
         machine = block.get("machine", {})
         rows = [*block["ppoflow"].items(), (block["trl_name"], block["trl"])]
         rows += [*machine.get("ppoflow", {}).items()]
@@ -176,6 +178,9 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{fmt(mem.get('system'), width=8)}{fmt(mem.get('tree'), width=8)}"
             )
     for mode, block in report["results"].items():
+        if "ppoflow" not in block:
+            print_varlen(mode, block)
+            continue
         o, c = block["overhead"], block["vs_trl"]
         if o["available"]:
             print(
@@ -215,4 +220,136 @@ METHOD = (
     "RSS sampled every 0.5 s from /proc: system = driver + Ray ModelWorker actors (TRL: its "
     "process), tree = every descendant process (Ray daemons, idle Ray workers, Prefect's "
     "temporary server)."
+)
+
+
+def length_stats(lengths: list[int]) -> dict[str, float]:
+    """Mean, median, 90th percentile, min, max of response lengths, and how many hit the cap."""
+    ordered = sorted(lengths)
+    if not ordered:
+        return {}
+    at = lambda q: ordered[min(int(q * len(ordered)), len(ordered) - 1)]  # noqa: E731
+    return {
+        "count": len(ordered),
+        "mean": round(statistics.fmean(ordered), 1),
+        "p50": statistics.median(ordered),
+        "p90": at(0.9),
+        "min": ordered[0],
+        "max": ordered[-1],
+    }
+
+
+def _mean_s(values: list[float]) -> float:
+    return round(statistics.fmean(values), 3) if values else 0.0
+
+
+def ppoflow_breakdown(ok: list[dict[str, Any]], asynchronous: bool) -> dict[str, Any]:
+    """Mean seconds per timed step of each stage (``timing_s/*``). Sync: generate, score,
+    logprobs, advantage, update in turn. ``separate_async``: the training loop waits for the
+    producer (``wait_rollout``) and runs logprobs, advantage, update, while generate and score
+    of the next step run on the producer's thread (``overlapped``, not on the step's path).
+    ``other`` = step - the stages on the path (reporting, the flow's bookkeeping, weight sync
+    outside the update's timing)."""
+    stages = {s: _mean_s([v for r in ok for v in r["stages_s"].get(s, [])]) for s in STAGES}
+    wait = _mean_s([v for r in ok for v in r["stages_s"].get("wait_rollout", [])])
+    step = _mean_s(pooled(ok, "step_s"))
+    if asynchronous:
+        path = {"wait_rollout": wait, **{s: stages[s] for s in STAGES[2:]}}
+        overlapped = {s: stages[s] for s in STAGES[:2]}
+    else:
+        path, overlapped = stages, {}
+    other = round(step - sum(path.values()), 3)
+    return {"step": step, "path": {**path, "other": other}, "overlapped": overlapped}
+
+
+def trl_breakdown(ok: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean seconds per timed step of GRPOTrainer's phases (see ``peers/trl_grpo.py``):
+    generate, score (reward model), rollout_other (the rest of ``_generate_and_score_completions``),
+    loss_forward, backward (``training_step`` less the rollout and loss forward), and
+    optimizer_and_rest (the step less ``training_step``: optimizer, callbacks, logging)."""
+
+    def phase(name: str) -> list[float]:
+        return [v for r in ok for v in r.get("phases_s", {}).get(name, [])]
+
+    step = pooled(ok, "step_s")
+    gen, score, rollout = phase("generate"), phase("score"), phase("rollout")
+    forward, train_step = phase("loss_forward"), phase("training_step")
+    if not (gen and rollout and train_step):
+        return {"step": _mean_s(step), "path": {}}
+    path = {
+        "generate": _mean_s(gen),
+        "score": _mean_s(score),
+        "rollout_other": _mean_s([r - g - s for r, g, s in zip(rollout, gen, score)]),
+        "loss_forward": _mean_s(forward),
+        "backward": _mean_s([t - r - f for t, r, f in zip(train_step, rollout, forward)]),
+        "optimizer_and_rest": _mean_s([s - t for s, t in zip(step, train_step)]),
+    }
+    return {"step": _mean_s(step), "path": path, "overlapped": {}}
+
+
+def summarise_varlen(results: list[dict[str, Any]], *, system: str) -> dict[str, Any]:
+    """``summarise`` plus what the variable-length mode reports: tokens/s as all generated
+    response tokens (EOS included, no padding) over all timed steps' wall seconds, the length
+    statistics of every timed response, and where a step's time goes (mean seconds)."""
+    out = summarise(results)
+    ok = [r for r in results if r.get("ok")]
+    if not out.get("ok"):
+        return out
+    tokens, seconds = sum(pooled(ok, "tokens")), sum(pooled(ok, "step_s"))
+    out["tokens_per_s_median_step"] = out["tokens_per_s"]
+    out["tokens_per_s"] = round(tokens / seconds, 1)
+    out["tokens_total"], out["seconds_total"] = tokens, round(seconds, 2)
+    out["tokens_per_step"] = round(tokens / len(pooled(ok, "step_s")), 1)
+    out["lengths"] = length_stats([n for r in ok for step in r.get("lengths") or [] for n in step])
+    if system == "trl":
+        out["time_s"] = trl_breakdown(ok)
+        widths = pooled(ok, "decoded_width")
+        out["decode_steps_per_generate"] = round(statistics.fmean(widths), 1) if widths else None
+    else:
+        out["time_s"] = ppoflow_breakdown(ok, asynchronous=system == "flow-async")
+    return out
+
+
+def print_varlen(mode: str, block: dict[str, Any]) -> None:
+    """The variable-length mode's table: per system its step, tokens/s, response lengths and
+    where the step's time goes; then the ratio of the best of each side."""
+    m = block["machine"]
+    rows = [*m["ppoflow"].items(), ("trl@all", m["trl@all"])]
+    print(
+        f"\n{mode}: {'system':<11}{'step s':>8}{'tok/step':>9}{'tok/s':>8}"
+        f"{'len mean':>9}{'p50':>6}{'p90':>6}{'max':>6}  time per step (s)"
+    )
+    for name, row in rows:
+        if not row.get("ok"):
+            print(f"{mode}: {name:<11}failed: {row.get('reason')}")
+            continue
+        lengths, time_s = row.get("lengths", {}), row.get("time_s", {})
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in time_s.get("path", {}).items())
+        if time_s.get("overlapped"):
+            parts += "; overlapped: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in time_s["overlapped"].items()
+            )
+        print(
+            f"{mode}: {name:<11}{time_s.get('step', 0):>8.2f}"
+            f"{fmt(row['tokens_per_step'], width=9)}{fmt(row['tokens_per_s'], width=8)}"
+            f"{fmt(lengths.get('mean'), '.1f')}{fmt(lengths.get('p50'), width=6)}"
+            f"{fmt(lengths.get('p90'), width=6)}{fmt(lengths.get('max'), width=6)}  {parts}"
+        )
+    c = m["vs_trl"]
+    print(
+        f"{mode}: whole machine ({m['threads']} threads): best ppoflow ({m['best_ppoflow']}) "
+        f"tokens/s / best TRL ({m['best_trl']}) = {c['speedup']} "
+        f"(target >= {SPEEDUP_TARGET}: {c['met']})"
+    )
+
+
+VARLEN_METHOD = (
+    "Variable-length mode: each system runs alone with the whole machine; tokens/s = all "
+    "generated response tokens of the timed steps (up to and including EOS, no padding) / "
+    "their summed wall seconds (a step: from one step's end to the next, ppoflow's from taking "
+    "the turn to its metrics row; TRL's between consecutive on_step_end). Lengths are every "
+    "timed response's (ppoflow: as its score task sees them; TRL: its generate output cut at "
+    "the first EOS). Time per step = mean seconds: ppoflow's timing_s/* stage times (other = "
+    "step - stages on the step's path); TRL's phases timed by wrapping the policy's generate, "
+    "_calculate_rewards, _generate_and_score_completions, compute_loss and training_step."
 )

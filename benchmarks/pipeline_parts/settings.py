@@ -11,6 +11,9 @@ PEERS_DIR = ROOT / "benchmarks" / "peers"
 VENVS = ROOT / "benchmarks" / ".venvs"
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline.json"
 STAGES = ("generate", "score", "logprobs", "advantage", "update")
+# separate_async: the training loop's wait for the producer's scored rows (generate and score
+# then run on the producer's thread, overlapping the training of the step before).
+STEP_PARTS = ("wait_rollout",)
 VARIANTS = ("direct", "ray+store", "flow")
 # Runs alone, each using the whole machine (see --machine-threads): ppoflow's flow in
 # separate_async (rollout + reward pools and the training pool, one thread each, overlapping
