@@ -201,7 +201,7 @@ def print_report(report: dict[str, Any]) -> None:
         if "machine" in block:
             m = block["machine"]
             print(
-                f"{mode}: whole machine ({m['threads']} threads): best ppoflow ({m['best_ppoflow']}) "
+                f"{mode}: each run alone ({m['threads']} CPUs): best ppoflow ({m['best_ppoflow']}) "
                 f"tokens/s / best TRL ({m['best_trl']}) = {m['vs_trl']['speedup']} "
                 f"(target >= {SPEEDUP_TARGET}: {m['vs_trl']['met']})"
             )
@@ -314,7 +314,7 @@ def print_varlen(mode: str, block: dict[str, Any]) -> None:
     """The variable-length mode's table: per system its step, tokens/s, response lengths and
     where the step's time goes; then the ratio of the best of each side."""
     m = block["machine"]
-    rows = [*m["ppoflow"].items(), ("trl@all", m["trl@all"])]
+    rows = [*m["ppoflow"].items(), *m["trl"].items()]
     print(
         f"\n{mode}: {'system':<11}{'step s':>8}{'tok/step':>9}{'tok/s':>8}"
         f"{'len mean':>9}{'p50':>6}{'p90':>6}{'max':>6}  time per step (s)"
@@ -337,7 +337,7 @@ def print_varlen(mode: str, block: dict[str, Any]) -> None:
         )
     c = m["vs_trl"]
     print(
-        f"{mode}: whole machine ({m['threads']} threads): best ppoflow ({m['best_ppoflow']}) "
+        f"{mode}: each run alone ({m['threads']} CPUs): best ppoflow ({m['best_ppoflow']}) "
         f"tokens/s / best TRL ({m['best_trl']}) = {c['speedup']} "
         f"(target >= {SPEEDUP_TARGET}: {c['met']})"
     )

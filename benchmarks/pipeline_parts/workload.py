@@ -324,6 +324,6 @@ MODES = {
     f"{VARLEN.group_size}), responses ending at EOS (P(EOS) ~ {VARLEN.eos_prob} per token set in "
     f"the saved policy, at most {VARLEN.max_new_tokens} tokens, temperature 1, top_p 1), the same "
     "prompt file in file order; ppoflow algorithm.estimator=grpo with token-budget micro-batches "
-    f"({VARLEN.token_budget} tokens); TRL GRPOTrainer with the reward model, beta 0; whole-machine "
-    "runs only",
+    f"({VARLEN.token_budget} tokens); TRL GRPOTrainer with the reward model, beta 0; each run "
+    "alone (ppoflow flow@all and flow-async, TRL at all threads and at --threads)",
 }
