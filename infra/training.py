@@ -29,7 +29,6 @@ from torch import Tensor, nn
 
 __all__ = [
     "STRATEGIES",
-    "clip_grad_norm",
     "full_state_dict",
     "gather_full",
     "gradient_sync",
@@ -190,13 +189,6 @@ def plain_model(module: nn.Module) -> Any:
     ``save_pretrained`` writes the plain model's folder."""
     base = getattr(module, "get_base_model", None)
     return base() if callable(base) else module
-
-
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
-    """Clip the global gradient norm (over every worker's shards) to ``max_norm``; returns the
-    norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return float(_full(norm))
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
