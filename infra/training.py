@@ -43,9 +43,10 @@ __all__ = [
 STRATEGIES = ("fsdp2", "none")
 
 
-def _check_strategy(strategy: str) -> None:
+def _check_strategy(strategy: str, *, setting: str) -> None:
+    """``setting`` is what the error tells the user to change."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} is not one of {STRATEGIES} (actor.strategy)")
+        raise ValueError(f"strategy {strategy!r} is not one of {STRATEGIES}: {setting}")
 
 
 def _layer_classes(model: nn.Module) -> set[str]:
@@ -102,14 +103,16 @@ def prepare_trainable(
     compute_dtype: torch.dtype,
     device: torch.device,
     gradient_checkpointing: bool = False,
+    role: str = "actor",
 ) -> nn.Module:
     """``model`` (float32 weights) ready to train under ``strategy``, on ``device``.
 
     Dropout is off (PPO's ratios need the same function in every pass). Gradient checkpointing
     uses the model's own (``gradient_checkpointing_enable``, non-reentrant), which works only in
     train mode: the model is then left in train mode with dropout at 0, else in eval mode.
+    ``role`` (``actor`` or ``critic``) is the config section an error names.
     """
-    _check_strategy(strategy)
+    _check_strategy(strategy, setting=f"set {role}.strategy to one of them")
     model.to(device=device, dtype=torch.float32)
     disable_dropout(model)
     if gradient_checkpointing:
@@ -117,7 +120,7 @@ def prepare_trainable(
         if enable is None:
             raise ValueError(
                 f"{type(model).__name__} has no gradient_checkpointing_enable: set "
-                "actor.gradient_checkpointing=false"
+                f"{role}.gradient_checkpointing=false"
             )
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if getattr(model, "config", None) is not None:
@@ -142,7 +145,9 @@ def prepare_trainable(
 
 def prepare_frozen(model: nn.Module, *, strategy: str, device: torch.device) -> nn.Module:
     """A frozen model (the reference policy) in its own dtype, sharded under ``fsdp2``."""
-    _check_strategy(strategy)
+    _check_strategy(
+        strategy, setting="the reference policy follows actor.strategy: set that to one of them"
+    )
     model.to(device)
     model.requires_grad_(False).eval()
     if strategy == "fsdp2":
