@@ -1,7 +1,8 @@
 """`Store`: the interface both backends implement, and the argument checks they share.
 
-Backends implement the five `kv_*`/`declare` verbs plus `_export`/`_import` of whole partitions;
-`save`/`load` (Arrow IPC files, see `storage.arrow_io`) and the `BatchMeta` helpers live here.
+Backends implement six verbs (`kv_batch_put`, `kv_batch_get`, `kv_list`, `kv_clear`, `declare`,
+`partitions`) plus `_export`/`_import` of whole partitions; `save`/`load` (Arrow IPC files, see
+`storage.arrow_io`) and the `BatchMeta` helpers (`get`, `get_fields`) live here.
 """
 
 from __future__ import annotations
