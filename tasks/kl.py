@@ -10,7 +10,9 @@ Estimators of KL(π‖π_ref) from one sample per token, with Δ = logprobs − 
 | `k3`  | exp(−Δ) + Δ − 1, i.e. e^(ref−logp) − (ref−logp) − 1 | unbiased, ≥ 0; Δ clamped to ±20, value to ≤ 10 |
 
 Kinds are chosen through the `KL_PENALTIES` dict. Controllers hold the coefficient β and are part
-of checkpoints (`state_dict` / `load_state_dict`).
+of checkpoints (`state_dict` / `load_state_dict`). `algorithm.kl.adaptive` chooses between them:
+false keeps `algorithm.kl.coef` fixed, true adapts it towards `algorithm.kl.target` over
+`algorithm.kl.horizon`.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def apply_kl_penalty(
 
 @dataclass
 class FixedKLController:
-    """A constant coefficient; `update` does nothing."""
+    """A constant coefficient (`algorithm.kl.adaptive: false`); `update` does nothing."""
 
     coef: float
 
@@ -125,7 +127,8 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Proportional control of β towards a target KL (Ziegler et al., 2019).
+    """Proportional control of β towards a target KL (Ziegler et al., 2019), for
+    `algorithm.kl.adaptive: true`; β starts at `algorithm.kl.coef`.
 
     error = clip(current_kl / target − 1, −0.2, 0.2);  β ← β · (1 + error · n_steps / horizon)
     """
