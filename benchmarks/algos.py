@@ -182,7 +182,7 @@ def run_ppoflow(inputs: dict[str, Tensor | float], *, repeats: int) -> dict[str,
     def run_grpo(x: dict[str, Tensor]) -> Tensor:
         return grpo_advantage(
             scores=x["scores"], group_ids=x["group_ids"], response_mask=x["gae_mask"]
-        )
+        ).advantages
 
     times = median_seconds(lambda: run_grpo(inputs32), repeats=repeats)
     out["grpo"] = {"advantages": run_grpo(inputs64), **times}

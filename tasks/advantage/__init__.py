@@ -1,10 +1,10 @@
 """Advantage estimators (pure math). The Prefect stage lives in `tasks/advantage/stage.py`."""
 
 from tasks.advantage.core import (
-    ESTIMATOR_INPUTS,
-    ESTIMATOR_SETTINGS,
     ESTIMATORS,
     AdvantageOutput,
+    EstimatorSettings,
+    EstimatorSpec,
     gae,
     grpo_advantage,
     reinforce_pp_advantage,
@@ -14,9 +14,9 @@ from tasks.advantage.core import (
 
 __all__ = [
     "ESTIMATORS",
-    "ESTIMATOR_INPUTS",
-    "ESTIMATOR_SETTINGS",
     "AdvantageOutput",
+    "EstimatorSettings",
+    "EstimatorSpec",
     "gae",
     "grpo_advantage",
     "reinforce_pp_advantage",

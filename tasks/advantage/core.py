@@ -7,15 +7,16 @@ tokens is as if absent, so the recursion links each real token to the next real 
 tokens of each row are packed to the left before the discounted sums, then put back). Values,
 rewards and advantages at masked positions are ignored on input and are 0 on output.
 
-Estimators are chosen by name through `ESTIMATORS`; `ESTIMATOR_INPUTS` names the fields each
-one reads (vocabulary of DESIGN.md).
+Every estimator returns `AdvantageOutput`. Each is registered once, as an `EstimatorSpec` in
+`ESTIMATORS` (by name): its function, the fields it reads (vocabulary of DESIGN.md) and the run
+config settings it takes; `run_estimator` runs one by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -24,9 +25,9 @@ from tasks.masks import masked_whiten
 
 __all__ = [
     "ESTIMATORS",
-    "ESTIMATOR_INPUTS",
-    "ESTIMATOR_SETTINGS",
     "AdvantageOutput",
+    "EstimatorSettings",
+    "EstimatorSpec",
     "discounted_reverse_cumsum",
     "gae",
     "grpo_advantage",
@@ -40,7 +41,8 @@ __all__ = [
 class AdvantageOutput:
     """advantages (B, T) — whitened when asked; returns (B, T) — the regression target.
 
-    Both are 0 at masked positions.
+    Both are 0 at masked positions. Outcome estimators (GRPO, RLOO) have no value baseline to
+    add back: their returns are their advantages (the same tensor).
     """
 
     advantages: Tensor
@@ -216,8 +218,9 @@ def grpo_advantage(
     response_mask: Tensor,
     norm_by_std: bool = True,
     eps: float = 1e-6,
-) -> Tensor:
-    """(score − group mean) [/ (group std + eps)], broadcast over real tokens.  → (B, T)
+) -> AdvantageOutput:
+    """(score − group mean) [/ (group std + eps)], broadcast over real tokens (B, T); the
+    returns are the advantages.
 
     std is the unbiased sample std of the group. A group of one, or one whose scores are all
     equal, gets exactly 0 (never NaN). group_ids (B,) are any integer labels.
@@ -231,11 +234,13 @@ def grpo_advantage(
             std = (squares / (stats.count - 1).clamp(min=1)).sqrt()  # (G,)
             centered = centered / (std[stats.inverse] + eps)
         per_sample = torch.where(stats.degenerate[stats.inverse], 0.0, centered)  # (B,)
-        return _broadcast_over_tokens(per_sample, response_mask)
+        advantages = _broadcast_over_tokens(per_sample, response_mask)  # (B, T)
+        return AdvantageOutput(advantages=advantages, returns=advantages)
 
 
-def rloo_advantage(*, scores: Tensor, group_ids: Tensor, response_mask: Tensor) -> Tensor:
-    """score − mean of the *other* samples of its group, broadcast over real tokens.  → (B, T)
+def rloo_advantage(*, scores: Tensor, group_ids: Tensor, response_mask: Tensor) -> AdvantageOutput:
+    """score − mean of the *other* samples of its group, broadcast over real tokens (B, T); the
+    returns are the advantages.
 
     Equals n/(n−1)·(score − group mean); a group of one gets 0.
     """
@@ -246,7 +251,8 @@ def rloo_advantage(*, scores: Tensor, group_ids: Tensor, response_mask: Tensor) 
         others_total = stats.mean[stats.inverse] * count - scores  # (B,)
         baseline = others_total / (count - 1).clamp(min=1)  # (B,)
         per_sample = torch.where(count < 2, 0.0, scores - baseline)  # (B,)
-        return _broadcast_over_tokens(per_sample, response_mask)
+        advantages = _broadcast_over_tokens(per_sample, response_mask)  # (B, T)
+        return AdvantageOutput(advantages=advantages, returns=advantages)
 
 
 def reinforce_pp_advantage(
@@ -265,39 +271,75 @@ def reinforce_pp_advantage(
         return AdvantageOutput(advantages=advantages, returns=returns)
 
 
-ESTIMATORS: dict[str, Callable[..., Any]] = {
-    "gae": gae,
-    "grpo": grpo_advantage,
-    "rloo": rloo_advantage,
-    "reinforce_plus_plus": reinforce_pp_advantage,
+class EstimatorSettings(Protocol):
+    """The run config attributes estimators read: `infra.config.AlgorithmConfig` satisfies it."""
+
+    @property
+    def gamma(self) -> float: ...
+    @property
+    def lam(self) -> float: ...
+    @property
+    def whiten_advantages(self) -> bool: ...
+    @property
+    def norm_by_std(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """One advantage estimator, registered once in `ESTIMATORS`.
+
+    name: the run config's `algorithm.estimator` value.
+    fn: the keyword-only estimator function; it returns `AdvantageOutput`.
+    inputs: the fields it reads (vocabulary of DESIGN.md), passed as keywords of the same name.
+    settings: its other keywords, each mapped to the `EstimatorSettings` attribute that gives
+        it (`{"whiten": "whiten_advantages"}`: `whiten` is `algorithm.whiten_advantages`).
+    """
+
+    name: str
+    fn: Callable[..., AdvantageOutput]
+    inputs: tuple[str, ...]
+    settings: Mapping[str, str]
+
+
+ESTIMATORS: dict[str, EstimatorSpec] = {
+    spec.name: spec
+    for spec in (
+        EstimatorSpec(
+            name="gae",
+            fn=gae,
+            inputs=("token_rewards", "values", "response_mask"),
+            settings={"gamma": "gamma", "lam": "lam", "whiten": "whiten_advantages"},
+        ),
+        EstimatorSpec(
+            name="grpo",
+            fn=grpo_advantage,
+            inputs=("scores", "group_ids", "response_mask"),
+            settings={"norm_by_std": "norm_by_std"},
+        ),
+        EstimatorSpec(
+            name="rloo",
+            fn=rloo_advantage,
+            inputs=("scores", "group_ids", "response_mask"),
+            settings={},
+        ),
+        EstimatorSpec(
+            name="reinforce_plus_plus",
+            fn=reinforce_pp_advantage,
+            inputs=("token_rewards", "response_mask"),
+            settings={"gamma": "gamma", "whiten": "whiten_advantages"},
+        ),
+    )
 }
 
-ESTIMATOR_INPUTS: dict[str, tuple[str, ...]] = {
-    "gae": ("token_rewards", "values", "response_mask"),
-    "grpo": ("scores", "group_ids", "response_mask"),
-    "rloo": ("scores", "group_ids", "response_mask"),
-    "reinforce_plus_plus": ("token_rewards", "response_mask"),
-}
 
-# The keyword settings each estimator takes, by the setting's name in the run config's
-# `algorithm` section (`whiten` is `algorithm.whiten_advantages`, ...).
-ESTIMATOR_SETTINGS: dict[str, dict[str, str]] = {
-    "gae": {"gamma": "gamma", "lam": "lam", "whiten": "whiten_advantages"},
-    "grpo": {"norm_by_std": "norm_by_std"},
-    "rloo": {},
-    "reinforce_plus_plus": {"gamma": "gamma", "whiten": "whiten_advantages"},
-}
-
-
-def run_estimator(name: str, *, tensors: dict[str, Tensor], settings: Any) -> AdvantageOutput:
-    """The estimator `name` on its `ESTIMATOR_INPUTS` from `tensors`, with its settings read
-    from `settings` (an object with the `ESTIMATOR_SETTINGS` attributes). Outcome estimators
-    (GRPO, RLOO) return their advantages as the returns too."""
-    if name not in ESTIMATORS:
+def run_estimator(
+    name: str, *, tensors: Mapping[str, Tensor], settings: EstimatorSettings
+) -> AdvantageOutput:
+    """The estimator `name` on its `inputs` from `tensors`, with its keyword settings read from
+    `settings` (the run config's `algorithm` section)."""
+    spec = ESTIMATORS.get(name)
+    if spec is None:
         raise ValueError(f"unknown estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
-    kwargs = {field: tensors[field] for field in ESTIMATOR_INPUTS[name]}
-    kwargs.update({arg: getattr(settings, key) for arg, key in ESTIMATOR_SETTINGS[name].items()})
-    out = ESTIMATORS[name](**kwargs)
-    if isinstance(out, AdvantageOutput):
-        return out
-    return AdvantageOutput(advantages=out, returns=out)
+    kwargs = {field: tensors[field] for field in spec.inputs}
+    kwargs.update({arg: getattr(settings, key) for arg, key in spec.settings.items()})
+    return spec.fn(**kwargs)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import get_args
 
 import pytest
 import torch
 from torch import Tensor
 
+from infra.config import AlgorithmConfig, Estimator
 from tasks.advantage import (
-    ESTIMATOR_INPUTS,
-    ESTIMATOR_SETTINGS,
     ESTIMATORS,
+    EstimatorSettings,
     gae,
     grpo_advantage,
     reinforce_pp_advantage,
@@ -268,13 +270,15 @@ def test_grpo_hand_worked() -> None:
     scores = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 7.0], dtype=torch.float64)
     group_ids = torch.tensor([10, 10, 10, 4, 4, 99])
     mask = torch.tensor([[True, True]] * 5 + [[True, False]])
-    adv = grpo_advantage(scores=scores, group_ids=group_ids, response_mask=mask)
+    out = grpo_advantage(scores=scores, group_ids=group_ids, response_mask=mask)
+    adv = out.advantages
+    assert out.returns is adv  # an outcome estimator's returns are its advantages
     k = 1 / (1 + 1e-6)
     expected = [[-k, -k], [0.0, 0.0], [k, k], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
     torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64), atol=1e-12, rtol=0)
     centered = grpo_advantage(
         scores=scores, group_ids=group_ids, response_mask=mask, norm_by_std=False
-    )
+    ).advantages
     assert centered[:, 0].tolist() == [-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
 
 
@@ -286,19 +290,20 @@ def test_grpo_equal_scores_never_nan() -> None:
         scores=scores,
         group_ids=torch.zeros(3, dtype=torch.long),
         response_mask=torch.ones(3, 4, dtype=torch.bool),
-    )
+    ).advantages
     assert torch.equal(adv, torch.zeros(3, 4))
 
 
 def test_rloo_hand_worked() -> None:
     # Group [1, 2, 3]: baselines are the others' means 2.5, 2, 1.5 → advantages −1.5, 0, 1.5.
     # The singleton group (score 7) gets 0.
-    adv = rloo_advantage(
+    out = rloo_advantage(
         scores=torch.tensor([1.0, 2.0, 3.0, 7.0], dtype=torch.float64),
         group_ids=torch.tensor([0, 0, 0, 1]),
         response_mask=torch.ones(4, 1, dtype=torch.bool),
     )
-    assert adv[:, 0].tolist() == [-1.5, 0.0, 1.5, 0.0]
+    assert out.advantages[:, 0].tolist() == [-1.5, 0.0, 1.5, 0.0]
+    assert out.returns is out.advantages
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -315,11 +320,11 @@ def test_group_estimators_match_loop_reference(seed: int, kind: str) -> None:
     )
     mask = random_mask(generator, batch, 6, "holes")
     if kind == "rloo":
-        adv = rloo_advantage(scores=scores, group_ids=group_ids, response_mask=mask)
+        adv = rloo_advantage(scores=scores, group_ids=group_ids, response_mask=mask).advantages
     else:
         adv = grpo_advantage(
             scores=scores, group_ids=group_ids, response_mask=mask, norm_by_std=kind == "grpo"
-        )
+        ).advantages
     per_sample = group_reference(
         scores, group_ids, "rloo" if kind == "rloo" else "grpo", kind == "grpo"
     )
@@ -333,21 +338,23 @@ def test_group_estimators_invariants() -> None:
     scores = torch.randn(24, generator=generator, dtype=torch.float64)
     group_ids = torch.arange(24) // 6
     mask = torch.ones(24, 3, dtype=torch.bool)
-    grpo = grpo_advantage(scores=scores, group_ids=group_ids, response_mask=mask)[:, 0]
-    rloo = rloo_advantage(scores=scores, group_ids=group_ids, response_mask=mask)[:, 0]
+    grpo = grpo_advantage(scores=scores, group_ids=group_ids, response_mask=mask).advantages[:, 0]
+    rloo = rloo_advantage(scores=scores, group_ids=group_ids, response_mask=mask).advantages[:, 0]
     # Advantages sum to 0 within each group; RLOO = n/(n−1)·(s − mean) = 6/5 · GRPO-without-std.
     assert torch.allclose(grpo.view(4, 6).sum(1), torch.zeros(4, dtype=torch.float64), atol=1e-12)
     centered = grpo_advantage(
         scores=scores, group_ids=group_ids, response_mask=mask, norm_by_std=False
-    )[:, 0]
+    ).advantages[:, 0]
     torch.testing.assert_close(rloo, centered * 6 / 5, atol=1e-12, rtol=0)
     # Permuting the samples permutes the advantages; shifting every score changes nothing.
     perm = torch.randperm(24, generator=generator)
-    permuted = grpo_advantage(scores=scores[perm], group_ids=group_ids[perm], response_mask=mask)[
-        :, 0
-    ]
+    permuted = grpo_advantage(
+        scores=scores[perm], group_ids=group_ids[perm], response_mask=mask
+    ).advantages[:, 0]
     torch.testing.assert_close(permuted, grpo[perm], atol=1e-12, rtol=0)
-    shifted = grpo_advantage(scores=scores + 3.0, group_ids=group_ids, response_mask=mask)[:, 0]
+    shifted = grpo_advantage(
+        scores=scores + 3.0, group_ids=group_ids, response_mask=mask
+    ).advantages[:, 0]
     torch.testing.assert_close(shifted, grpo, atol=1e-9, rtol=0)
 
 
@@ -380,25 +387,31 @@ def test_reinforce_pp_matches_loop_reference(style: str, seed: int) -> None:
     torch.testing.assert_close(out.returns, ret_ref, atol=1e-6, rtol=0)
 
 
-def test_estimator_table_is_complete() -> None:
-    assert (
-        set(ESTIMATORS) == set(ESTIMATOR_INPUTS) == {"gae", "grpo", "rloo", "reinforce_plus_plus"}
-    )
-    for name, fields in ESTIMATOR_INPUTS.items():
-        assert "response_mask" in fields, name
+def test_estimator_registry_is_complete_and_matches_the_functions() -> None:
+    assert set(ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus"}
+    readable = {
+        name for name, value in vars(EstimatorSettings).items() if isinstance(value, property)
+    }
+    for name, spec in ESTIMATORS.items():
+        assert spec.name == name
+        assert "response_mask" in spec.inputs, name
+        # Inputs and settings are distinct keywords of the function and cover every keyword
+        # without a default; every setting is an attribute of EstimatorSettings, and so of the
+        # run config's algorithm section.
+        keywords = inspect.signature(spec.fn).parameters
+        assert set(spec.inputs) | set(spec.settings) <= set(keywords), name
+        assert not set(spec.inputs) & set(spec.settings), name
+        required = {k for k, p in keywords.items() if p.default is inspect.Parameter.empty}
+        assert required <= set(spec.inputs) | set(spec.settings), name
+        assert set(spec.settings.values()) <= readable, name
+    assert readable <= set(AlgorithmConfig.model_fields)
 
 
-def test_the_config_offers_exactly_the_estimators_of_the_table() -> None:
-    from typing import get_args
-
-    from infra.config import Estimator
-
-    assert set(get_args(Estimator)) == set(ESTIMATORS) == set(ESTIMATOR_SETTINGS)
+def test_the_config_offers_exactly_the_estimators_of_the_registry() -> None:
+    assert set(get_args(Estimator)) == set(ESTIMATORS)
 
 
-def test_run_estimator_calls_the_table_with_the_configs_settings() -> None:
-    from infra.config import AlgorithmConfig
-
+def test_run_estimator_calls_the_registry_with_the_configs_settings() -> None:
     gen = torch.Generator().manual_seed(0)
     mask = torch.tensor([[True, True, False], [True, False, False]])
     tensors = {
@@ -410,10 +423,13 @@ def test_run_estimator_calls_the_table_with_the_configs_settings() -> None:
     }
     algo = AlgorithmConfig(gamma=0.9, lam=0.8, whiten_advantages=False)
     out = run_estimator("gae", tensors=tensors, settings=algo)
-    direct = ESTIMATORS["gae"](
+    direct = gae(
         token_rewards=tensors["token_rewards"], values=tensors["values"], response_mask=mask,
         gamma=0.9, lam=0.8, whiten=False,
     )  # fmt: skip
     torch.testing.assert_close(out.advantages, direct.advantages)
+    torch.testing.assert_close(out.returns, direct.returns)
     grpo = run_estimator("grpo", tensors=tensors, settings=algo)
     assert grpo.returns is grpo.advantages
+    with pytest.raises(ValueError, match="choose one of"):
+        run_estimator("ppo", tensors=tensors, settings=algo)
