@@ -110,10 +110,10 @@ def ppo_policy_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = 3.0,
-    agg: str = "token-mean",
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    agg: str,
     loss_denominator: float | None = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss with an asymmetric clip and dual clip.
@@ -160,8 +160,8 @@ def value_loss(
     old_values: Tensor,
     returns: Tensor,
     response_mask: Tensor,
-    clip_range: float | None = 0.2,
-    agg: str = "token-mean",
+    clip_range: float | None,
+    agg: str,
     loss_denominator: float | None = None,
 ) -> ValueLossOutput:
     """½ · max((V − R)², (V_clip − R)²) with V_clip = V_old + clip(V − V_old, ±clip_range).
@@ -215,13 +215,13 @@ def actor_loss(
     response_mask: Tensor,
     entropy: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = 3.0,
-    agg: str = "token-mean",
-    entropy_coef: float = 0.0,
-    kl_loss_coef: float = 0.0,
-    kl_loss_kind: str = "k3",
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    agg: str,
+    entropy_coef: float,
+    kl_loss_coef: float,
+    kl_loss_kind: str,
     loss_denominator: float | None = None,
 ) -> ActorLossOutput:
     """PPO policy loss plus an optional entropy bonus and a KL-to-reference loss term.

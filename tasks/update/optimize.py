@@ -85,9 +85,10 @@ def _check_batching(
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ActorUpdateSettings:
-    """How one actor update runs.
+    """How one actor update runs. Every field is required: a run builds these from its config
+    (``tasks.update.stage.actor_settings``), so the config is the one place a value is chosen.
 
     ppo_epochs: passes over the batch; mini_batch_size: rows per optimizer step;
     micro_batch_size: rows per forward/backward (accumulation = mini / micro);
@@ -102,20 +103,20 @@ class ActorUpdateSettings:
     shuffle_seed: permute rows before each epoch (seed + epoch), None keeps the order.
     """
 
-    ppo_epochs: int = 1
-    mini_batch_size: int = 8
-    micro_batch_size: int = 8
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = 3.0
-    agg: str = "token-mean"
-    entropy_coef: float = 0.0
-    kl_loss_coef: float = 0.0
-    kl_loss_kind: str = "k3"
-    max_grad_norm: float | None = 1.0
-    temperature: float = 1.0
-    shuffle_seed: int | None = None
-    max_tokens_per_micro_batch: int | None = None
+    ppo_epochs: int
+    mini_batch_size: int
+    micro_batch_size: int
+    max_tokens_per_micro_batch: int | None
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    agg: str
+    entropy_coef: float
+    kl_loss_coef: float
+    kl_loss_kind: str
+    max_grad_norm: float | None
+    temperature: float
+    shuffle_seed: int | None
 
     def __post_init__(self) -> None:
         _check_batching(
@@ -139,19 +140,20 @@ class ActorUpdateSettings:
         return self.mini_batch_size // self.micro_batch_size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CriticUpdateSettings:
-    """How one critic update runs (fields as in `ActorUpdateSettings`); clip_range: value clip
-    around the old values (None = unclipped)."""
+    """How one critic update runs (fields as in `ActorUpdateSettings`, built by
+    ``tasks.update.stage.critic_settings``); clip_range: value clip around the old values
+    (None = unclipped)."""
 
-    ppo_epochs: int = 1
-    mini_batch_size: int = 8
-    micro_batch_size: int = 8
-    clip_range: float | None = 0.5
-    agg: str = "token-mean"
-    max_grad_norm: float | None = 1.0
-    shuffle_seed: int | None = None
-    max_tokens_per_micro_batch: int | None = None
+    ppo_epochs: int
+    mini_batch_size: int
+    micro_batch_size: int
+    max_tokens_per_micro_batch: int | None
+    clip_range: float | None
+    agg: str
+    max_grad_norm: float | None
+    shuffle_seed: int | None
 
     def __post_init__(self) -> None:
         _check_batching(

@@ -61,6 +61,10 @@ def _per_worker(opt: OptimConfig, world: int) -> dict[str, int]:
 
 
 def actor_settings(cfg: TrainConfig, world: int) -> ActorUpdateSettings:
+    """One worker's actor update, every field from ``cfg``: ``actor.*``, the entropy and KL
+    loss of ``algorithm.*``, and the rollout's sampling temperature (greedy, 0, divides the
+    logits by 1). Rows keep their order (no shuffle): each mini-batch's loss denominator is
+    summed over the workers, which needs the same rows in it on every worker."""
     opt, algo = cfg.actor, cfg.algorithm
     return ActorUpdateSettings(
         **_per_worker(opt, world),
@@ -74,10 +78,13 @@ def actor_settings(cfg: TrainConfig, world: int) -> ActorUpdateSettings:
         max_grad_norm=opt.max_grad_norm,
         temperature=cfg.rollout.temperature or 1.0,
         max_tokens_per_micro_batch=opt.max_tokens_per_micro_batch,
+        shuffle_seed=None,
     )
 
 
 def critic_settings(cfg: TrainConfig, world: int) -> CriticUpdateSettings:
+    """One worker's critic update, every field from ``critic.*`` (rows in order, as the
+    actor's)."""
     opt = cfg.critic
     return CriticUpdateSettings(
         **_per_worker(opt, world),
@@ -85,6 +92,7 @@ def critic_settings(cfg: TrainConfig, world: int) -> CriticUpdateSettings:
         agg=opt.loss_agg,
         max_grad_norm=opt.max_grad_norm,
         max_tokens_per_micro_batch=opt.max_tokens_per_micro_batch,
+        shuffle_seed=None,
     )
 
 

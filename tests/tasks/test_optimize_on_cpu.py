@@ -104,21 +104,40 @@ def assert_same_parameters(a: nn.Module, b: nn.Module, atol: float) -> None:
 
 
 def actor_settings(agg: str, micro: int, mini: int = 8, **extra: object) -> ActorUpdateSettings:
+    """Every setting exercised: two epochs, an asymmetric clip, entropy and KL terms."""
     base: dict[str, object] = {
         "ppo_epochs": 2,
         "mini_batch_size": mini,
         "micro_batch_size": micro,
+        "max_tokens_per_micro_batch": None,
         "clip_low": 0.2,
         "clip_high": 0.28,
+        "dual_clip": 3.0,
         "agg": agg,
         "entropy_coef": 0.01,
         "kl_loss_coef": 0.1,
         "kl_loss_kind": "k3",
         "max_grad_norm": 0.5,
         "temperature": 0.9,
+        "shuffle_seed": None,
     }
     base.update(extra)
     return ActorUpdateSettings(**base)  # type: ignore[arg-type]
+
+
+def critic_settings(**extra: object) -> CriticUpdateSettings:
+    base: dict[str, object] = {
+        "ppo_epochs": 2,
+        "mini_batch_size": 8,
+        "micro_batch_size": 8,
+        "max_tokens_per_micro_batch": None,
+        "clip_range": 0.2,
+        "agg": "token-mean",
+        "max_grad_norm": 0.5,
+        "shuffle_seed": None,
+    }
+    base.update(extra)
+    return CriticUpdateSettings(**base)  # type: ignore[arg-type]
 
 
 def test_actor_update_two_steps_changes_every_parameter() -> None:
@@ -126,9 +145,7 @@ def test_actor_update_two_steps_changes_every_parameter() -> None:
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     batch = make_batch(1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = ActorUpdateSettings(
-        mini_batch_size=4, micro_batch_size=2, entropy_coef=0.01, kl_loss_coef=0.05
-    )
+    cfg = actor_settings("token-mean", micro=2, mini=4, ppo_epochs=1, kl_loss_coef=0.05)
     for step in range(2):
         metrics = actor_update(
             model=model,
@@ -289,9 +306,9 @@ def test_global_count_errors_are_clear() -> None:
             advantages=inputs["advantages"],
         )
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
-        ActorUpdateSettings(mini_batch_size=6, micro_batch_size=4)
+        actor_settings("token-mean", micro=4, mini=6)
     with pytest.raises(ValueError, match="agg"):
-        CriticUpdateSettings(agg="sum")
+        critic_settings(agg="sum")
 
 
 @pytest.mark.parametrize("agg", sorted(AGGREGATIONS))
@@ -305,14 +322,7 @@ def test_critic_micro_batch_split_invariant(agg: str) -> None:
     results = []
     for micro in (1, 8):
         model = copy.deepcopy(reference)
-        cfg = CriticUpdateSettings(
-            ppo_epochs=2,
-            mini_batch_size=8,
-            micro_batch_size=micro,
-            clip_range=0.2,
-            agg=agg,
-            max_grad_norm=0.5,
-        )
+        cfg = critic_settings(micro_batch_size=micro, agg=agg)
         metrics = critic_update(
             model=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
@@ -342,7 +352,7 @@ def test_actor_and_critic_update_on_cuda_with_a_cpu_batch() -> None:
         model=model,
         optimizer=optimizer,
         batch=batch,
-        cfg=ActorUpdateSettings(mini_batch_size=4, micro_batch_size=2, kl_loss_coef=0.1),
+        cfg=actor_settings("token-mean", micro=2, mini=4, ppo_epochs=1),
         **inputs,
     )
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
@@ -355,7 +365,7 @@ def test_actor_and_critic_update_on_cuda_with_a_cpu_batch() -> None:
         batch=batch,
         old_values=zeros,
         returns=zeros + 1,
-        cfg=CriticUpdateSettings(),
+        cfg=critic_settings(ppo_epochs=1),
     )
     assert torch.isfinite(torch.tensor(metrics["critic/vf_loss"]))
 

@@ -18,6 +18,9 @@ from tasks.update import (
     value_loss,
 )
 
+# The symmetric clip of the hand-worked examples (PPO's 0.2) with a dual clip of 3.
+CLIP = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0}
+
 # ----------------------------------------------------------------------------- references
 
 
@@ -144,6 +147,8 @@ def test_policy_loss_hand_worked() -> None:
         old_logprobs=old,
         advantages=torch.tensor([[1.0, -1.0, -1.0, 2.0]], dtype=torch.float64),
         response_mask=torch.ones(1, 4, dtype=torch.bool),
+        **CLIP,
+        agg="token-mean",
     )
     assert out.loss.item() == pytest.approx(0.15, abs=1e-12)
     assert out.clipfrac.item() == 0.5
@@ -159,6 +164,7 @@ def test_policy_loss_asymmetric_clip_and_no_dual_clip() -> None:
         old_logprobs=old,
         advantages=torch.tensor([[1.0, -1.0]], dtype=torch.float64),
         response_mask=torch.ones(1, 2, dtype=torch.bool),
+        clip_low=0.2,
         clip_high=0.28,
         dual_clip=None,
         agg="seq-mean-token-sum",
@@ -170,7 +176,10 @@ def test_policy_loss_asymmetric_clip_and_no_dual_clip() -> None:
             old_logprobs=old,
             advantages=old,
             response_mask=torch.ones(1, 2, dtype=torch.bool),
+            clip_low=0.2,
+            clip_high=0.2,
             dual_clip=1.0,
+            agg="token-mean",
         )
 
 
@@ -201,7 +210,14 @@ def test_policy_loss_gradient_invariants() -> None:
     logprobs = torch.tensor([[-1.0, -2.0, 0.0]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, -3.0, 5.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True, False]])
-    out = ppo_policy_loss(logprobs=logprobs, old_logprobs=old, advantages=adv, response_mask=mask)
+    out = ppo_policy_loss(
+        logprobs=logprobs,
+        old_logprobs=old,
+        advantages=adv,
+        response_mask=mask,
+        **CLIP,
+        agg="token-mean",
+    )
     out.loss.backward()
     assert logprobs.grad is not None
     assert logprobs.grad.tolist() == [[-0.5, 1.5, 0.0]]
@@ -220,6 +236,7 @@ def test_value_loss_hand_worked() -> None:
         returns=torch.tensor([[2.0, 0.0]], dtype=torch.float64),
         response_mask=torch.ones(1, 2, dtype=torch.bool),
         clip_range=0.2,
+        agg="token-mean",
     )
     assert out.loss.item() == pytest.approx(0.5125, abs=1e-12)
     assert out.clipfrac.item() == 0.5
@@ -273,13 +290,14 @@ def test_actor_loss_combines_terms() -> None:
         **inputs,
         entropy=entropy,
         ref_logprobs=ref,
+        **CLIP,
         entropy_coef=0.01,
         kl_loss_coef=0.5,
         kl_loss_kind="k2",
         agg="seq-mean-token-mean",
     )
     mask = inputs["response_mask"]
-    pg = ppo_policy_loss(**inputs, agg="seq-mean-token-mean").loss
+    pg = ppo_policy_loss(**inputs, **CLIP, agg="seq-mean-token-mean").loss
     ent = aggregate_loss(loss_mat=entropy, response_mask=mask, agg="seq-mean-token-mean")
     kl = aggregate_loss(
         loss_mat=0.5 * (inputs["logprobs"] - ref) ** 2,
@@ -290,6 +308,20 @@ def test_actor_loss_combines_terms() -> None:
     torch.testing.assert_close(out.entropy, ent, atol=1e-12, rtol=0)
     torch.testing.assert_close(out.kl_loss, kl, atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="entropy_coef"):
-        actor_loss(**inputs, entropy_coef=0.1)
+        actor_loss(
+            **inputs,
+            **CLIP,
+            agg="token-mean",
+            entropy_coef=0.1,
+            kl_loss_coef=0.0,
+            kl_loss_kind="k3",
+        )
     with pytest.raises(ValueError, match="ref_logprobs"):
-        actor_loss(**inputs, kl_loss_coef=0.1)
+        actor_loss(
+            **inputs,
+            **CLIP,
+            agg="token-mean",
+            entropy_coef=0.0,
+            kl_loss_coef=0.1,
+            kl_loss_kind="k3",
+        )
