@@ -72,7 +72,7 @@ def _data_paths(assets: dict[str, str]) -> dict[str, Path]:
 def sft(cfg: TrainConfig, assets: dict[str, str], out: Path) -> dict[str, float]:
     from infra.pretrain import SFTSettings, sft_warmstart
 
-    settings = SFTSettings(steps=cfg.warmstart.sft_steps, max_seconds=cfg.warmstart.sft_max_seconds)
+    settings = SFTSettings.from_config(cfg.warmstart)
     return _train_once(
         out,
         sft_warmstart,
@@ -89,9 +89,7 @@ def reward_model(
 ) -> dict[str, float]:
     from infra.pretrain import RewardModelSettings, train_reward_model
 
-    settings = RewardModelSettings(
-        steps=cfg.warmstart.rm_steps, max_seconds=cfg.warmstart.rm_max_seconds
-    )
+    settings = RewardModelSettings.from_config(cfg.warmstart)
     return _train_once(
         out,
         train_reward_model,

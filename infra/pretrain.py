@@ -1,6 +1,7 @@
 """Before RL: warm-start the policy (SFT) and train a reward model from rule-derived preferences.
 
-Torch + transformers only. The recipe (see ``SFTSettings`` / ``RewardModelSettings`` defaults):
+Torch + transformers only. The recipe (``SFTSettings`` / ``RewardModelSettings``: the budgets come
+from the config's ``warmstart`` section, the rest from the ``SFT_*`` / ``RM_*`` constants below):
 
 1. ``sft_warmstart``: next-token loss on the response of "careless annotator" demonstrations
    (25% correct; the wrong answers are mostly sum+1, some ±2/±3, random or digit-reversed), so
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,30 @@ from transformers import (
 from infra.data import PromptRow, addition_rule, read_prompt_rows
 from infra.engines.hf import TransformersEngine
 from infra.reward_model import last_token_scores
+
+if TYPE_CHECKING:
+    from infra.config import WarmstartConfig
+
+# The built-in task's warm-start recipe. The budgets (steps, seconds) are the config's
+# (``warmstart.*``); these fix the rest, tuned for the tiny addition models.
+SFT_BATCH_SIZE = 64
+SFT_LR = 2e-3
+SFT_WARMUP_FRACTION = 0.05
+SFT_MIN_LR_RATIO = 0.1
+SFT_CORRECT_FRACTION = 0.25
+SFT_EVAL_ROWS = 500
+RM_PAIRS_PER_STEP = 64
+RM_LR = 5e-4
+RM_WARMUP_FRACTION = 0.02
+RM_MIN_LR_RATIO = 0.1
+RM_SCORE_L2 = 1e-3
+RM_SAMPLED_FRACTION = 0.5
+RM_MALFORMED_FRACTION = 0.1
+RM_SAMPLES_PER_PROMPT = 2
+RM_EVAL_REJECTED_PER_PROMPT = 2
+# Response cap of the warm start's own generations (SFT evaluation, the reward model's sampled
+# rejections): an answer is at most 3 digits + EOS, so 6 leaves room for overlong answers.
+WARMSTART_MAX_NEW_TOKENS = 6
 
 # --------------------------------------------------------------------------- tokens and batches
 
@@ -228,21 +254,37 @@ def _budget_left(step: int, steps: int, started: float, max_seconds: float | Non
 # --------------------------------------------------------------------------- SFT warm start
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SFTSettings:
-    """Warm-start budget and data mix. Training stops at ``steps`` or ``max_seconds``, first reached."""
+    """Warm-start budget and data mix. Training stops at ``steps`` or ``max_seconds``, first
+    reached. Every field is required; ``from_config`` builds the run's."""
 
-    steps: int = 1500
-    max_seconds: float | None = 60.0
-    batch_size: int = 64
-    lr: float = 2e-3
-    warmup_fraction: float = 0.05
-    min_lr_ratio: float = 0.1
-    correct_fraction: float = 0.25
+    steps: int
+    max_seconds: float | None
+    batch_size: int
+    lr: float
+    warmup_fraction: float
+    min_lr_ratio: float
+    correct_fraction: float
     """Share of demonstrations with the right answer; the rest are typical mistakes."""
-    max_new_tokens: int = 6
-    eval_rows: int = 500
+    max_new_tokens: int
+    eval_rows: int
     """Held-out prompts used for the accuracy in the report."""
+
+    @classmethod
+    def from_config(cls, warmstart: WarmstartConfig) -> SFTSettings:
+        """The budget of ``warmstart`` (``sft_steps``, ``sft_max_seconds``) with the recipe."""
+        return cls(
+            steps=warmstart.sft_steps,
+            max_seconds=warmstart.sft_max_seconds,
+            batch_size=SFT_BATCH_SIZE,
+            lr=SFT_LR,
+            warmup_fraction=SFT_WARMUP_FRACTION,
+            min_lr_ratio=SFT_MIN_LR_RATIO,
+            correct_fraction=SFT_CORRECT_FRACTION,
+            max_new_tokens=WARMSTART_MAX_NEW_TOKENS,
+            eval_rows=SFT_EVAL_ROWS,
+        )
 
 
 @dataclass(frozen=True)
@@ -379,27 +421,46 @@ def sft_warmstart(
 # --------------------------------------------------------------------------- reward model
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RewardModelSettings:
-    """Reward-model budget, loss and the mix of rejected answers (the rest are synthetic wrong)."""
+    """Reward-model budget, loss and the mix of rejected answers (the rest are synthetic wrong).
+    Every field is required; ``from_config`` builds the run's."""
 
-    steps: int = 1500
-    max_seconds: float | None = 120.0
-    pairs_per_step: int = 64
-    lr: float = 5e-4
-    warmup_fraction: float = 0.02
-    min_lr_ratio: float = 0.1
+    steps: int
+    max_seconds: float | None
+    pairs_per_step: int
+    lr: float
+    warmup_fraction: float
+    min_lr_ratio: float
     """Cosine decay ends at this fraction of ``lr``."""
-    score_l2: float = 1e-3
+    score_l2: float
     """Weight of mean r² next to the Bradley–Terry loss (keeps scores centred and bounded)."""
-    sampled_fraction: float = 0.5
+    sampled_fraction: float
     """Rejected answers sampled from the SFT policy (wrong by the rule)."""
-    malformed_fraction: float = 0.1
-    samples_per_prompt: int = 2
+    malformed_fraction: float
+    samples_per_prompt: int
     """Policy samples drawn per prompt (once, before training) for the sampled rejections."""
-    max_new_tokens: int = 6
-    eval_rejected_per_prompt: int = 2
+    max_new_tokens: int
+    eval_rejected_per_prompt: int
     """Held-out pairs per held-out prompt, drawn with the same mix."""
+
+    @classmethod
+    def from_config(cls, warmstart: WarmstartConfig) -> RewardModelSettings:
+        """The budget of ``warmstart`` (``rm_steps``, ``rm_max_seconds``) with the recipe."""
+        return cls(
+            steps=warmstart.rm_steps,
+            max_seconds=warmstart.rm_max_seconds,
+            pairs_per_step=RM_PAIRS_PER_STEP,
+            lr=RM_LR,
+            warmup_fraction=RM_WARMUP_FRACTION,
+            min_lr_ratio=RM_MIN_LR_RATIO,
+            score_l2=RM_SCORE_L2,
+            sampled_fraction=RM_SAMPLED_FRACTION,
+            malformed_fraction=RM_MALFORMED_FRACTION,
+            samples_per_prompt=RM_SAMPLES_PER_PROMPT,
+            max_new_tokens=WARMSTART_MAX_NEW_TOKENS,
+            eval_rejected_per_prompt=RM_EVAL_REJECTED_PER_PROMPT,
+        )
 
 
 @dataclass(frozen=True)
@@ -574,24 +635,27 @@ def train_reward_model(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Build the tiny assets under ROOT, warm-start the policy and train the reward model."""
+    """Build the tiny assets under ROOT, warm-start the policy and train the reward model with
+    the main job's budgets (``TrainConfig().warmstart``)."""
     import argparse
     import json
 
     from infra.assets import build_tiny_assets
+    from infra.config import TrainConfig
 
     parser = argparse.ArgumentParser(prog="python -m infra.pretrain", description=main.__doc__)
     parser.add_argument("root", type=Path, help="folder for assets/, sft/ and reward_model/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     assets = build_tiny_assets(args.root / "assets", seed=args.seed)
+    warmstart = TrainConfig().warmstart
     sft = sft_warmstart(
         policy_path=assets.policy,
         tokenizer_path=assets.tokenizer,
         train_path=assets.train_data,
         heldout_path=assets.heldout_data,
         out_path=args.root / "sft",
-        settings=SFTSettings(),
+        settings=SFTSettings.from_config(warmstart),
         seed=args.seed,
     )
     print(json.dumps({"sft": asdict(sft)}), flush=True)
@@ -601,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         train_path=assets.train_data,
         heldout_path=assets.heldout_data,
         out_path=args.root / "reward_model",
-        settings=RewardModelSettings(),
+        settings=RewardModelSettings.from_config(warmstart),
         seed=args.seed,
     )
     print(json.dumps({"reward_model": asdict(rm)}), flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForCausalLM
 
 from infra.assets import AssetPaths
+from infra.config import WarmstartConfig
 from infra.data import PromptRow, read_prompt_rows
 from infra.pretrain import (
     RewardModelReport,
@@ -31,9 +33,16 @@ from infra.pretrain import (
 )
 from infra.reward_model import last_token_scores
 
-SFT_SMALL = SFTSettings(steps=60, max_seconds=None, batch_size=32, lr=3e-3, eval_rows=100)
-RM_SMALL = RewardModelSettings(
-    steps=80, max_seconds=None, pairs_per_step=32, lr=2e-3, samples_per_prompt=1
+# The main job's recipe with small budgets.
+SFT = SFTSettings.from_config(WarmstartConfig())
+SFT_SMALL = replace(SFT, steps=60, max_seconds=None, batch_size=32, lr=3e-3, eval_rows=100)
+RM_SMALL = replace(
+    RewardModelSettings.from_config(WarmstartConfig()),
+    steps=80,
+    max_seconds=None,
+    pairs_per_step=32,
+    lr=2e-3,
+    samples_per_prompt=1,
 )
 
 
@@ -220,7 +229,7 @@ def test_seconds_cap_stops_training(tiny_assets: AssetPaths, tmp_path: Path) -> 
         train_path=tiny_assets.train_data,
         heldout_path=tiny_assets.heldout_data,
         out_path=tmp_path,
-        settings=SFTSettings(steps=10_000, max_seconds=0.0, eval_rows=10),
+        settings=replace(SFT, steps=10_000, max_seconds=0.0, eval_rows=10),
         seed=0,
     )
     assert report.steps == 0  # a zero-second budget trains nothing but still evaluates and saves
