@@ -545,15 +545,14 @@ def _fill_store(store: Any, worker: Any, cfg: Any, name: str, role: str) -> tupl
 def child_part(setup: Setup, role: str) -> dict[str, Any]:
     """One role alone in a ``ModelWorker`` with the training run's config: its stage step on a
     full batch, twice (the first warms up), the second timed and its allocator peak read."""
-    from types import SimpleNamespace
-
     import torch
 
     from infra.workers import ModelWorker, WorkerSpec
     from storage import open_store
     from tasks.logprobs.stage import forward_rows
+    from tasks.plan import StepPlan
     from tasks.score.stage import score_rows
-    from tasks.update.stage import actor_settings, field_names, update_rows
+    from tasks.update.stage import actor_settings, update_rows
 
     cfg = setup.config()
     paths = setup.assets()
@@ -572,7 +571,7 @@ def child_part(setup: Setup, role: str) -> dict[str, Any]:
     start = time.perf_counter()
     worker = ModelWorker(spec)
     result: dict[str, Any] = {"build_s": time.perf_counter() - start, "roles": [role]}
-    fields = field_names(SimpleNamespace(cfg=cfg))  # what the run's update stage reads
+    fields = StepPlan.from_config(cfg).update_fields  # what the run's update stage reads
 
     def step(index: int) -> None:
         _, samples = _fill_store(store, worker, cfg, name, role)

@@ -13,12 +13,21 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from infra.workers import ModelWorker
-from storage import BatchMeta
+from storage import BatchMeta, Store
+from tasks.context import StageContext
 
 STATE = "state.json"
+
+
+class DataCursor(Protocol):
+    """Where a prompt dataset is (``infra.data.PromptDataset``): saved and restored whole."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -41,8 +50,8 @@ def save_checkpoint(
     step: int,
     *,
     state: dict[str, Any],
-    save_workers: Any,
-    store: Any,
+    save_workers: Callable[[str], object],
+    store: Store,
     partitions: list[str],
     keep: int,
     midway: Callable[[], None] | None = None,
@@ -70,7 +79,8 @@ def save_checkpoint(
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    return json.loads((path / STATE).read_text())
+    state: dict[str, Any] = json.loads((path / STATE).read_text())
+    return state
 
 
 @dataclass(frozen=True)
@@ -84,18 +94,18 @@ class Restored:
     submitted: dict[int, BatchMeta]
 
 
-def restore(path: Path, *, rt: Any, ctx: Any, data: Any) -> Restored:
+def restore(path: Path, *, ctx: StageContext, data: DataCursor) -> Restored:
     """Load a checkpoint into the workers (and a separate rollout pool), the data cursor, the
     KL controller and the store."""
     from tasks.update.stage import sync_rollout_weights
 
     state = read_state(path)
-    version = min(rt.train_group.call(ModelWorker.load_checkpoint, str(path / "workers")))
+    version = min(ctx.train_group.call(ModelWorker.load_checkpoint, str(path / "workers")))
     sync_rollout_weights(ctx)
     data.load_state_dict(state["data"])
-    ctx.kl_controller.load_state_dict(state["kl"])
+    ctx.kl.load_state_dict(state["kl"])
     if state["partitions"]:
-        rt.store.load(path / "store")
+        ctx.store.load(path / "store")
     submitted = {int(s): BatchMeta.from_json(m) for s, m in state["submitted"].items()}
     return Restored(path, int(state["step"]), version, submitted)
 
@@ -104,9 +114,8 @@ def checkpoint_run(
     run_dir: Path,
     step: int,
     *,
-    rt: Any,
-    ctx: Any,
-    data: Any,
+    ctx: StageContext,
+    data: DataCursor,
     pending: dict[int, BatchMeta],
     keep: int,
     midway: Callable[[], None] | None = None,
@@ -115,15 +124,15 @@ def checkpoint_run(
     ``pending`` (submitted for later steps)."""
     state = {
         "data": data.state_dict(),
-        "kl": ctx.kl_controller.state_dict(),
+        "kl": ctx.kl.state_dict(),
         "submitted": {str(s): m.to_json() for s, m in pending.items()},
     }
     return save_checkpoint(
         run_dir,
         step,
         state=state,
-        save_workers=lambda path: rt.train_group.call(ModelWorker.save_checkpoint, path),
-        store=rt.store,
+        save_workers=lambda path: ctx.train_group.call(ModelWorker.save_checkpoint, path),
+        store=ctx.store,
         partitions=[m.partition_id for m in pending.values()],
         keep=keep,
         midway=midway,

@@ -11,17 +11,19 @@ How the three modes differ here:
   pools; the training loop waits for its step's scored rows and runs logprobs → advantage →
   update on the training pool meanwhile.
 
-Resuming and checkpoints are flows.checkpoint's, evaluation flows.evaluation's; ``Trainer.run``
-returns a ``RunResult``.
+Each stage is the imported task itself, called with the run's retry options
+(``retry_options``) and timed by ``Timings``. Resuming and checkpoints are flows.checkpoint's,
+evaluation flows.evaluation's; ``Trainer.run`` returns a ``RunResult``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from flows.checkpoint import checkpoint_run, latest_checkpoint, restore
 from flows.evaluation import Evaluator
@@ -29,33 +31,47 @@ from flows.inputs import Datasets, heldout_rows
 from flows.producer import RolloutProducer
 from flows.report import RunReport
 from flows.reward_model import ResolvedModels
-from flows.runtime import Runtime
 from infra.config import TrainConfig
-from infra.faults import FaultPlan
+from infra.faults import FaultPlan, strike
 from infra.group import WorkerDied
+from infra.runtime import Runtime
 from infra.workers import ModelWorker
 from storage import BatchMeta, ShardLost
+from storage.ray_backend import RayStore
 from tasks.advantage.stage import advantage
-from tasks.context import StageContext
+from tasks.context import Metrics, StageContext, Timings
 from tasks.generate.stage import generate, submit_prompts
-from tasks.kl import AdaptiveKLController, FixedKLController
 from tasks.logprobs.stage import logprobs
-from tasks.logprobs.stage import writes as logprob_writes
 from tasks.score.stage import NonFiniteScoreError, score
 from tasks.update.stage import update
-from tasks.validate.stage import validate
+from tasks.validate.stage import Validation, validate
 
-STAGES = {
-    "generate": generate,
-    "score": score,
-    "logprobs": logprobs,
-    "advantage": advantage,
-    "update": update,
-    "validate": validate,
-}
+if TYPE_CHECKING:
+    from prefect import Task
+    from prefect.client.schemas.objects import State, TaskRun
+    from transformers import PreTrainedTokenizerBase
 
 
-def retryable(task: Any, task_run: Any, state: Any) -> bool:
+class RetryOptions(TypedDict):
+    """What every stage task of a run is called with (``orchestration.*``)."""
+
+    retries: int
+    retry_delay_seconds: float
+    timeout_seconds: float | None
+    retry_condition_fn: Callable[[Task[..., Any], TaskRun, State[Any]], bool]
+
+
+def retry_options(cfg: TrainConfig) -> RetryOptions:
+    orch = cfg.orchestration
+    return RetryOptions(
+        retries=orch.retries,
+        retry_delay_seconds=orch.retry_delay_seconds,
+        timeout_seconds=orch.timeout_seconds,
+        retry_condition_fn=retryable,
+    )
+
+
+def retryable(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
     """Retry a failed stage unless its error would repeat: a reward function that raised or
     returned a bad value, a non-finite reward-model score; a dead worker or a lost store shard
     is for the loop's restart (timeouts retry)."""
@@ -100,44 +116,17 @@ class Trainer:
         models: ResolvedModels,
         run_dir: Path,
         datasets: Datasets,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
     ) -> None:
         self.cfg, self.rt, self.models, self.run_dir = cfg, rt, models, run_dir
-        kl = cfg.algorithm.kl
-        controller = (
-            AdaptiveKLController(init_coef=kl.coef, target=kl.target, horizon=kl.horizon)
-            if kl.adaptive
-            else FixedKLController(coef=kl.coef)
-        )
         self.ctx = StageContext(
-            cfg=cfg,
-            store=rt.store,
-            tokenizer=tokenizer,
-            train_group=rt.train_group,
-            reward_group=rt.reward_group,
-            rollout_group=rt.rollout_group,
-            kl_controller=controller,
-            reward_pool=rt.reward_pool,
-            faults=FaultPlan(cfg.faults, run_dir),
+            cfg=cfg, rt=rt, tokenizer=tokenizer, faults=FaultPlan(cfg.faults, run_dir)
         )
+        self.retry = retry_options(cfg)
         self.data = datasets.train
         self.notes = datasets.notes
-        self.stages = {
-            name: fn.with_options(
-                retries=cfg.orchestration.retries,
-                retry_delay_seconds=cfg.orchestration.retry_delay_seconds,
-                timeout_seconds=cfg.orchestration.timeout_seconds,
-                retry_condition_fn=retryable,
-            )
-            for name, fn in STAGES.items()
-        }
         heldout = heldout_rows(cfg, models, tokenizer) if cfg.data.builtin else []
-        self.evaluate = Evaluator(
-            self.ctx,
-            lambda *args: self.stages["validate"](*args),
-            val_rows=datasets.val,
-            heldout=heldout,
-        )
+        self.evaluate = Evaluator(self.ctx, self._validate, val_rows=datasets.val, heldout=heldout)
         self.submitted: dict[int, BatchMeta] = {}
         self.submit_lock = threading.Condition()
         self.version = 0
@@ -145,6 +134,10 @@ class Trainer:
         self.producer: RolloutProducer | None = None
         self.restarts = 0
         self.initial: dict[str, Any] = {}
+        self.carried: dict[int, Metrics] = {}  # metrics for a step not run yet (restarts)
+
+    def _validate(self, ctx: StageContext, job: Validation, step: int) -> Metrics:
+        return validate.with_options(**self.retry)(ctx, job, step)
 
     # ------------------------------------------------------------------ resume / checkpoint
     def resume(self) -> int:
@@ -154,32 +147,31 @@ class Trainer:
 
     def _load(self, path: Path) -> int:
         """Restore the checkpoint at ``path``; returns the step after it."""
-        restored = restore(path, rt=self.rt, ctx=self.ctx, data=self.data)
+        restored = restore(path, ctx=self.ctx, data=self.data)
         self.version, self.submitted = restored.version, restored.submitted
         self.last_checkpoint = path
         return restored.step + 1
 
     def checkpoint(self, step: int) -> None:
+        """Save the run after ``step``; a ``faults`` entry for the checkpoint strikes when
+        everything is written but not yet renamed into place."""
         fault = self.ctx.faults.take("checkpoint", step, 1)
-        if fault is not None and fault.action == "raise":
-            self.ctx.faults.fire_here(fault, f"checkpoint at step {step}")
-        if fault is not None and fault.action == "kill_worker":
-            import ray
 
-            ray.kill(self.rt.train_group.workers[0], no_restart=True)
+        def midway() -> None:
+            if fault is not None:
+                where = f"checkpoint at step {step}"
+                strike(fault, where, store=self.rt.store, group=self.rt.train_group)
+
         with self.submit_lock:
             pending = {s: m for s, m in self.submitted.items() if s > step}
             self.last_checkpoint = checkpoint_run(
                 self.run_dir,
                 step,
-                rt=self.rt,
                 ctx=self.ctx,
                 data=self.data,
                 pending=pending,
                 keep=self.cfg.trainer.keep_checkpoints,
-                midway=(lambda: self.ctx.faults.fire_here(fault, "checkpoint"))
-                if fault is not None and fault.action == "exit_flow"
-                else None,
+                midway=midway,
             )
 
     # ------------------------------------------------------------------ prompts and rollout
@@ -204,63 +196,68 @@ class Trainer:
         return [self.submit(s) for s in range(step, last + 1)]
 
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, step: int) -> dict[str, float]:
-        timing: dict[str, float] = {}
+    def iteration(self, step: int) -> Metrics:
+        """One step's stages; returns their metrics and timings."""
+        ctx, retry, timed = self.ctx, self.retry, Timings()
+        metrics: Metrics = {}
         t_step = time.perf_counter()
-
-        def run(name: str, *args: Any) -> Any:
-            t0 = time.perf_counter()
-            out = self.stages[name](self.ctx, *args, step)
-            timing[f"timing_s/{name}"] = time.perf_counter() - t0
-            return out
-
         # 1.-2. generate (possibly several partitions ahead) and score; separate_async: the
         # producer thread (flows.producer) has run both: wait for its scored rows.
         if self.producer is not None:
-            t0 = time.perf_counter()
-            meta = self.producer.wait(step)
-            timing["timing_s/wait_rollout"] = time.perf_counter() - t0
-            self._check_staleness(meta, step)
+            with timed("wait_rollout"):
+                produced = self.producer.wait(step)
+            meta = produced.meta
+            metrics.update(produced.metrics)
+            metrics.update(self._check_staleness(meta, step))
         else:
-            meta = run("generate", self.metas_for(step))[0]
-            self._check_staleness(meta, step)
-            meta = run("score", meta)
-        # 3.-5. logprobs/values → advantage → update.
-        if logprob_writes(self.ctx):  # nothing to compute: one on-policy step, no ref or critic
-            meta = run("logprobs", meta)
-        meta = run("advantage", meta)
-        run("update", meta)
+            with timed("generate"):
+                meta = generate.with_options(**retry)(ctx, self.metas_for(step), step)[0]
+            metrics.update(self._check_staleness(meta, step))
+            with timed("score"):
+                scored = score.with_options(**retry)(ctx, meta, step)
+            meta = scored.meta
+            metrics.update(scored.metrics)
+        # 3.-5. logprobs/values (nothing to compute: one on-policy step, no ref or critic)
+        # → advantage → update.
+        if ctx.plan.forward_passes:
+            with timed("logprobs"):
+                meta = logprobs.with_options(**retry)(ctx, meta, step)
+        with timed("advantage"):
+            advantaged = advantage.with_options(**retry)(ctx, meta, step)
+        with timed("update"):
+            updated = update.with_options(**retry)(ctx, advantaged.meta, step)
+        metrics.update(advantaged.metrics)
+        metrics.update(updated.metrics)
         # The step is applied: the adaptive KL controller moves once, on this step's KL.
-        if self.cfg.algorithm.kl.in_reward:
-            kl_mean = self.ctx.metrics[step]["actor/reward_kl_penalty"]
-            self.ctx.kl_controller.update(kl_mean, self.cfg.batch_size)
+        if advantaged.reward_kl is not None:
+            ctx.kl.update(advantaged.reward_kl, self.cfg.batch_size)
         with self.submit_lock:
             self.version += 1
             self.submit_lock.notify_all()
         # 6. Wake/sleep seconds of the colocated roles (first training worker), then drop the partition.
-        self.ctx.record(step, self.rt.train_group.call(ModelWorker.timing)[0])
-        # Drop the finished partition.
+        metrics.update(self.rt.train_group.call(ModelWorker.timing)[0])
         self.rt.store.kv_clear(meta.partition_id)
         self.submitted.pop(step, None)
-        timing["timing_s/step"] = time.perf_counter() - t_step
-        tokens = self.ctx.metrics[step].get("perf/total_num_tokens")  # logged by the score task
+        metrics.update(timed.seconds)
+        metrics["timing_s/step"] = time.perf_counter() - t_step
+        tokens = metrics.get("perf/total_num_tokens")  # the score task's
         if tokens is not None:
-            timing["perf/total_num_tokens"] = tokens
-            timing["perf/throughput"] = tokens / timing["timing_s/step"]
-        return timing
+            metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
+        return metrics
 
-    def _check_staleness(self, meta: BatchMeta, step: int) -> None:
+    def _check_staleness(self, meta: BatchMeta, step: int) -> Metrics:
         td = self.rt.store.kv_batch_get(
             list(meta.keys), meta.partition_id, ["rollout_version"], timeout=0
         )
-        staleness = int(self.version - int(td["rollout_version"].min()))
-        self.ctx.record(step, {"rollout/staleness": float(staleness)})
+        made_by = int(td["rollout_version"].min())
+        staleness = self.version - made_by
         if staleness > self.cfg.resources.max_staleness and self.cfg.resources.mode != "sync":
             raise StalenessError(
-                f"step {step}: batch generated by policy version {int(td['rollout_version'].min())}, "
-                f"trainer at {self.version}: staleness {staleness} > resources.max_staleness="
+                f"step {step}: batch generated by policy version {made_by}, trainer at "
+                f"{self.version}: staleness {staleness} > resources.max_staleness="
                 f"{self.cfg.resources.max_staleness}"
             )
+        return {"rollout/staleness": float(staleness)}
 
     # ------------------------------------------------------------------ restarts
     def restart(self, exc: WorkerDied | ShardLost, step: int, report: RunReport) -> int:
@@ -272,7 +269,8 @@ class Trainer:
         if isinstance(exc, WorkerDied):
             exc.group.restart()
         else:
-            self.rt.store.recover()
+            if isinstance(self.rt.store, RayStore):
+                self.rt.store.recover()
             for group in self.rt.groups():
                 group.restart()
         self.restarts += 1
@@ -283,20 +281,18 @@ class Trainer:
             nxt = self._load(self.last_checkpoint)
         else:
             self.data.load_state_dict(self.initial["data"])
-            self.ctx.kl_controller.load_state_dict(self.initial["kl"])
+            self.ctx.kl.load_state_dict(self.initial["kl"])
             self.version, nxt = 0, 0
-        for s in [s for s in self.ctx.metrics if s >= nxt]:
-            self.ctx.metrics.pop(s)
         report.restarted(nxt, {"failed_step": step, "restarts": self.restarts, "error": str(exc)})
-        self.ctx.record(nxt, {"trainer/restarts": float(self.restarts)})
+        self.carried[nxt] = {"trainer/restarts": float(self.restarts)}
         self.start_producer(nxt)
         return nxt
 
     def start_producer(self, first: int) -> None:
         if self.cfg.resources.mode == "separate_async":
             self.producer = RolloutProducer(
-                stages=self.stages,
                 ctx=self.ctx,
+                retry=self.retry,
                 submit=self.submit,
                 version=lambda: self.version,
                 lock=self.submit_lock,
@@ -309,9 +305,9 @@ class Trainer:
             self.producer = None
 
     # ------------------------------------------------------------------ the run
-    def run(self, report_factory: Any = RunReport) -> RunResult:
+    def run(self, report_factory: Callable[..., RunReport] = RunReport) -> RunResult:
         cfg = self.cfg
-        self.initial = {"data": self.data.state_dict(), "kl": self.ctx.kl_controller.state_dict()}
+        self.initial = {"data": self.data.state_dict(), "kl": self.ctx.kl.state_dict()}
         first = self.resume()
         report: RunReport = report_factory(
             self.run_dir,
@@ -364,13 +360,15 @@ class Trainer:
         """Evaluate if due, iterate, log, checkpoint if due; True when out of time."""
         cfg = self.cfg
         # Evaluation before the step's update every eval_every steps, and after the last.
-        metrics = {**(self.evaluate(step) if self.evaluate.due(step) else {})}
+        metrics = self.carried.pop(step, {})
+        if self.evaluate.due(step):
+            metrics.update(self.evaluate(step))
         metrics.update(self.iteration(step))
         if step == first:
             metrics.update(self.notes)
         if step == end - 1 and self.evaluate.enabled:
             metrics.update(self.evaluate(step + 1))
-        report.log(step, {**self.ctx.metrics.pop(step, {}), **metrics})
+        report.log(step, metrics)
         out_of_time = (
             cfg.trainer.max_seconds is not None
             and time.perf_counter() - t0 > cfg.trainer.max_seconds

@@ -13,10 +13,16 @@ import contextvars
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from infra.group import WorkerDied
 from storage import BatchMeta, ShardLost
+from tasks.context import StageContext, StageResult, Timings
+from tasks.generate.stage import generate
+from tasks.score.stage import score
+
+if TYPE_CHECKING:
+    from flows.loop import RetryOptions
 
 
 class RolloutProducer:
@@ -28,15 +34,15 @@ class RolloutProducer:
     def __init__(
         self,
         *,
-        stages: dict[str, Any],
-        ctx: Any,
+        ctx: StageContext,
+        retry: RetryOptions,
         submit: Callable[[int], BatchMeta],
         version: Callable[[], int],
         lock: threading.Condition,
     ) -> None:
-        self.stages, self.ctx, self.submit, self.version = stages, ctx, submit, version
+        self.ctx, self.retry, self.submit, self.version = ctx, retry, submit, version
         self.lock = lock
-        self.produced: dict[int, BatchMeta] = {}
+        self.produced: dict[int, StageResult] = {}  # scored, with score and timing metrics
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -57,8 +63,8 @@ class RolloutProducer:
         if self._thread is not None:
             self._thread.join(timeout=timeout)
 
-    def wait(self, step: int) -> BatchMeta:
-        """The step's generated and scored partition, once produced. A producer failure is
+    def wait(self, step: int) -> StageResult:
+        """The step's generated and scored partition and its metrics, once produced. A producer failure is
         raised at once; no rows within ``store.get_timeout_s`` is a TimeoutError naming the step."""
         timeout = self.ctx.get_timeout
         deadline = time.monotonic() + timeout
@@ -92,14 +98,14 @@ class RolloutProducer:
                 if self._stop.is_set():
                     return
                 meta = self.submit(step)
-                t0 = time.perf_counter()
-                meta = self.stages["generate"](self.ctx, [meta], step)[0]
-                t1 = time.perf_counter()
-                meta = self.stages["score"](self.ctx, meta, step)
-                seconds = {"timing_s/generate": t1 - t0, "timing_s/score": time.perf_counter() - t1}
-                self.ctx.record(step, seconds)
+                timed = Timings()
+                with timed("generate"):
+                    meta = generate.with_options(**self.retry)(self.ctx, [meta], step)[0]
+                with timed("score"):
+                    scored = score.with_options(**self.retry)(self.ctx, meta, step)
+                result = StageResult(scored.meta, {**scored.metrics, **timed.seconds})
                 with self.lock:
-                    self.produced[step] = meta
+                    self.produced[step] = result
                     self.lock.notify_all()
                 step += 1
         except BaseException as exc:  # raised in the training loop by wait()

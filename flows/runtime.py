@@ -15,54 +15,19 @@ Each bundle is one device, except the rollout pool's with a tensor-parallel vLLM
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 from flows.reward_model import ResolvedModels
 from infra.cluster import ResourcePool, create_pool, ensure_ray
 from infra.config import TrainConfig
 from infra.group import WorkerGroup
-from infra.workers import WorkerSpec
+from infra.reward_functions import RewardFunctionPool
+from infra.runtime import Runtime
+from infra.workers import Role, WorkerSpec
+from storage import Store
 
 
-@dataclass
-class Runtime:
-    store: Any
-    train_group: WorkerGroup
-    reward_group: WorkerGroup | None
-    rollout_group: WorkerGroup
-    pools: list[ResourcePool] = field(default_factory=list)
-    started_ray: bool = False
-    reward_pool: Any | None = None  # infra.reward_functions.RewardFunctionPool, when configured
-
-    def groups(self) -> list[WorkerGroup]:
-        """Each worker group once (pools that share a group list it once)."""
-        found = {
-            id(g): g
-            for g in (self.train_group, self.reward_group, self.rollout_group)
-            if g is not None
-        }
-        return list(found.values())
-
-    def shutdown(self) -> None:
-        if self.reward_pool is not None:
-            self.reward_pool.close()
-        for g in self.groups():
-            g.shutdown()
-        for pool in self.pools:
-            pool.release()
-        close = getattr(self.store, "close", None)
-        if close is not None:
-            close()
-        if self.started_ray:
-            import ray
-
-            ray.shutdown()
-
-
-def _train_roles(cfg: TrainConfig) -> tuple[str, ...]:
+def _train_roles(cfg: TrainConfig) -> tuple[Role, ...]:
     algo = cfg.algorithm
-    roles: list[str] = []
+    roles: list[Role] = []
     if cfg.resources.mode != "separate_async":
         roles.append("rollout")
     if cfg.reward.pool == "colocated" and cfg.uses_reward_model:
@@ -76,7 +41,7 @@ def _train_roles(cfg: TrainConfig) -> tuple[str, ...]:
 
 
 def _spec(
-    cfg: TrainConfig, models: ResolvedModels, roles: tuple[str, ...], store_url: str
+    cfg: TrainConfig, models: ResolvedModels, roles: tuple[Role, ...], store_url: str
 ) -> WorkerSpec:
     return WorkerSpec(
         roles=roles,
@@ -120,7 +85,7 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
     started = ensure_ray(res, pools_devices=devices)
     timeout = cfg.orchestration.call_timeout_s
     pools: list[ResourcePool] = []
-    store = None
+    store: Store | None = None
     try:
         # 0. The store (this handle owns its shards: closing it ends them).
         store = open_store(cfg.store.url)
@@ -133,7 +98,7 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
         )
         # 2. Optional own pools for the reward model and the rollout.
         rollout = train
-        reward: WorkerGroup | None = train if "reward" in train.roles else None
+        reward: WorkerGroup | None = train if "reward" in train.spec.roles else None
         if own_reward:
             pool = create_pool("reward", 1, accelerator=res.accelerator_resource)
             pools.append(pool)
@@ -150,10 +115,8 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
                 pool, _spec(cfg, models, ("rollout",), url), call_timeout_s=timeout
             )
         # 3. The reward-function processes.
-        functions = None
+        functions: RewardFunctionPool | None = None
         if cfg.reward.functions:
-            from infra.reward_functions import RewardFunctionPool
-
             functions = RewardFunctionPool(
                 cfg.reward.functions,
                 workers=cfg.reward.function_workers,

@@ -3,7 +3,8 @@
 ``FaultPlan.take(stage, step, attempt)`` returns the entry due there, if any, and records it as
 fired in ``<run_dir>/faults-fired.json`` before anything acts on it: each entry fires at most
 once per run, so neither a retry, nor the step run again after a restart, nor a later flow run
-resuming the same run directory fires it again. What each action does:
+resuming the same run directory fires it again. ``strike`` is the one place each action is
+carried out:
 
 - ``raise``: ``InjectedFault`` is raised before the stage's side effects;
 - ``delay``: the workers do their work, then wait ``seconds`` before replying (a late reply);
@@ -11,6 +12,9 @@ resuming the same run directory fires it again. What each action does:
 - ``kill_store_shard``: shard ``shard`` of the run's ``ray://`` store is killed just before the
   stage, taking its rows with it (a lost store node);
 - ``exit_flow``: the flow process exits at once (a lost driver), with status ``EXIT_STATUS``.
+
+The two worker-side actions reach the workers as a ``WorkerFault`` armed on the group
+(``WorkerGroup.arm``) for its next call.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from __future__ import annotations
 import json
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from infra.config import FaultConfig
+from storage import Store
 
 EXIT_STATUS = 75
 FIRED = "faults-fired.json"
@@ -30,8 +37,47 @@ class InjectedFault(RuntimeError):
     """The failure a ``raise`` fault asked for."""
 
 
+@dataclass(frozen=True)
+class WorkerFault:
+    """What the workers of one call do: rank ``kill_rank``'s process exits before the step;
+    every worker waits ``delay_s`` after it, before replying."""
+
+    kill_rank: int | None = None
+    delay_s: float = 0.0
+
+
+class Armable(Protocol):
+    """A worker group (``infra.group.WorkerGroup``) that takes a fault for its next call."""
+
+    def arm(self, fault: WorkerFault) -> None: ...
+
+
 def _label(index: int, fault: FaultConfig) -> str:
     return f"{index}:{fault.stage}@{fault.step}#{fault.attempt}:{fault.action}"
+
+
+def strike(fault: FaultConfig, where: str, *, store: Store, group: Armable | None) -> None:
+    """Carry out ``fault`` at ``where``: in this process, on ``store``, or armed on ``group``."""
+    if fault.action == "raise":
+        raise InjectedFault(f"injected fault: {where} raised (faults entry {fault.model_dump()})")
+    if fault.action == "exit_flow":
+        os._exit(EXIT_STATUS)
+    if fault.action == "kill_store_shard":
+        from storage.ray_backend import RayStore
+
+        if not isinstance(store, RayStore):
+            raise InjectedFault(
+                f"injected fault at {where}: kill_store_shard needs a ray:// store "
+                f"(store.url), not {store.url!r}"
+            )
+        store.kill_shard(fault.shard)
+        return
+    if group is None:
+        raise InjectedFault(f"injected fault at {where}: {fault.action} needs workers")
+    if fault.action == "kill_worker":
+        group.arm(WorkerFault(kill_rank=0))
+    else:  # delay
+        group.arm(WorkerFault(delay_s=fault.seconds))
 
 
 class FaultPlan:
@@ -55,33 +101,18 @@ class FaultPlan:
             fired = self._fired()
             for index, fault in enumerate(self.faults):
                 label = _label(index, fault)
-                if (fault.stage, fault.step, fault.attempt) == (
-                    stage,
-                    step,
-                    attempt,
-                ) and label not in fired:
+                due = (fault.stage, fault.step, fault.attempt) == (stage, step, attempt)
+                if due and label not in fired:
                     if self.path is not None:
                         self.path.parent.mkdir(parents=True, exist_ok=True)
                         self.path.write_text(json.dumps(sorted(fired | {label})))
                     return fault
         return None
 
-    def fire_here(self, fault: FaultConfig | None, where: str, store: object = None) -> None:
-        """Act on ``raise``, ``exit_flow`` and ``kill_store_shard`` (on ``store``) in the calling
-        process (the others act in a worker)."""
-        if fault is None:
-            return
-        if fault.action == "kill_store_shard":
-            kill = getattr(store, "kill_shard", None)
-            if kill is None:
-                raise InjectedFault(
-                    f"injected fault at {where}: kill_store_shard needs a ray:// store "
-                    f"(store.url), not {getattr(store, 'url', store)!r}"
-                )
-            kill(fault.shard)
-        if fault.action == "raise":
-            raise InjectedFault(
-                f"injected fault: {where} raised (faults entry {fault.model_dump()})"
-            )
-        if fault.action == "exit_flow":
-            os._exit(EXIT_STATUS)
+    def strike_due(
+        self, stage: str, step: int, attempt: int, *, store: Store, group: Armable | None
+    ) -> None:
+        """``strike`` the entry due at (stage, step, attempt), if any."""
+        fault = self.take(stage, step, attempt)
+        if fault is not None:
+            strike(fault, f"{stage} at step {step}, attempt {attempt}", store=store, group=group)

@@ -19,12 +19,13 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import ray
 
 from infra.cluster import ResourcePool
-from infra.config import FaultConfig
+from infra.faults import WorkerFault
 from infra.workers import ModelWorker, WorkerSpec
 from storage import BatchMeta
 
 P = ParamSpec("P")
 R = TypeVar("R")
+S = TypeVar("S")
 
 
 def _method_name(method: Callable[..., Any]) -> str:
@@ -55,14 +56,14 @@ class WorkerGroup:
         self.spec = spec
         self.call_timeout_s = call_timeout_s
         self.roles = spec.roles
-        self.workers: list[Any] = []
-        self._fault: FaultConfig | None = None
+        self.workers: list[Any] = []  # Ray actor handles of ModelWorker
+        self._fault: WorkerFault | None = None
         self.start()
 
     def start(self) -> None:
         """Start the workers; trainers then form their torch.distributed group, meeting on
         rank 0's node (rollout and reward workers shard independently)."""
-        world = self.pool.size if "actor" in self.spec.roles else 1
+        world = self.pool.size if self.spec.trains else 1
         remote_cls = ray.remote(ModelWorker)
         self.workers = [
             remote_cls.options(**self.pool.actor_options(rank, share=1.0)).remote(
@@ -72,14 +73,11 @@ class WorkerGroup:
         ]
         # Loading the models may take longer than one call may: startup has its own bound.
         ray.get([w.ping.remote() for w in self.workers], timeout=max(self.call_timeout_s, 600.0))
-        if world > 1 or self._sharded_alone():
-            address = self.get(self.workers[0].rendezvous_address.remote(), "rendezvous_address")
-            self.get([w.join_group.remote(address) for w in self.workers], "join_group")
-
-    def _sharded_alone(self) -> bool:
-        """One trainer with ``fsdp2`` asked for: it needs a (one-worker) group too."""
         cfg = self.spec.cfg
-        return "actor" in self.spec.roles and "fsdp2" in (cfg.actor.strategy, cfg.critic.strategy)
+        sharded = any(cfg.strategy(role, world) == "fsdp2" for role in ("actor", "critic"))
+        if self.spec.trains and (world > 1 or sharded):  # one fsdp2 trainer: a group of one
+            address = self.run_on(0, ModelWorker.rendezvous_address)
+            self.call(ModelWorker.join_group, address)
 
     def restart(self) -> None:
         """Replace every worker with a fresh one (models loaded anew from ``spec``)."""
@@ -87,8 +85,8 @@ class WorkerGroup:
             ray.kill(w)
         self.start()
 
-    def arm(self, fault: FaultConfig | None) -> None:
-        """Apply ``fault`` (``delay`` or ``kill_worker``) to the next call of a step."""
+    def arm(self, fault: WorkerFault) -> None:
+        """Apply ``fault`` (infra.faults) to the next call on this group."""
         self._fault = fault
 
     @property
@@ -127,21 +125,35 @@ class WorkerGroup:
     def _submit(
         self, index: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """One ``run`` call on worker ``index``, with the armed fault if any (rank 0 is the one
-        killed; every worker delays its reply)."""
-        w, fault = self.workers[index], self._fault
-        if fault is None or (fault.action == "kill_worker" and index != 0):
-            return w.run.remote(fn, *args, **kwargs)
-        return w.run_faulty.remote(fault.action, fault.seconds, fn, *args, **kwargs)
+        """One ``run`` call on worker ``index``, with the armed fault if any."""
+        if self._fault is None:
+            return self.workers[index].run.remote(fn, *args, **kwargs)
+        return self.workers[index].run_faulty.remote(self._fault, fn, *args, **kwargs)
 
     def call(
         self, method: Callable[Concatenate[ModelWorker, P], R], *args: P.args, **kwargs: P.kwargs
     ) -> list[R]:
         """The same call of ``method`` (a ``ModelWorker`` method) on every worker."""
-        name = _method_name(method)
-        return list(
-            self.get([getattr(w, name).remote(*args, **kwargs) for w in self.workers], name)
-        )
+        _method_name(method)
+        return self.run(method, *args, **kwargs)
+
+    def relay(
+        self,
+        source: Callable[[ModelWorker], R],
+        target: WorkerGroup,
+        sink: Callable[Concatenate[ModelWorker, R, P], S],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> list[S]:
+        """Every worker of this group calls ``source`` (a collective, e.g. gathering sharded
+        weights); rank 0's reply goes to ``sink(worker, reply, *args, **kwargs)`` on every
+        worker of ``target``, from worker to worker without passing through this process."""
+        refs = [self._submit(i, source, (), {}) for i in range(self.size)]
+        self._fault = None
+        self.get(refs[1:], source.__qualname__)
+        replies = [target._submit(i, sink, (refs[0], *args), kwargs) for i in range(target.size)]
+        return list(target._collect(replies, sink.__qualname__))
 
     def run(
         self,

@@ -287,7 +287,7 @@ class FunctionScores:
     extras: dict[str, list[float]]
 
 
-def _function_names(labels: Sequence[str]) -> list[str]:
+def function_names(labels: Sequence[str]) -> list[str]:
     """Short metric names: the function name, prefixed by its file/module stem when repeated."""
     sources = [label.rsplit(":", 1)[0] for label in labels]
     bare = [label.rsplit(":", 1)[-1] for label in labels]
@@ -305,7 +305,7 @@ def _stem(source: str) -> str:
 def metrics(fs: FunctionScores) -> dict[str, float]:
     """``reward/fn/<name>/mean`` per function and ``reward_extra/<key>/mean`` (NaN-skipping)."""
     out: dict[str, float] = {}
-    for name, values in zip(_function_names(list(fs.scores)), fs.scores.values()):
+    for name, values in zip(function_names(list(fs.scores)), fs.scores.values()):
         if values:
             out[f"reward/fn/{name}/mean"] = math.fsum(values) / len(values)
     for extra, values in fs.extras.items():
@@ -493,7 +493,7 @@ class RewardFunctionPool:
                 )
         self._weights = [float(spec.weight) for spec in specs]
         self._specs = [_Spec(_resolved(spec.path), spec.name, spec.weight) for spec in specs]
-        self._names = _function_names(self._labels)
+        self._names = function_names(self._labels)
         self._workers = workers
         self._timeout_s = timeout_s
         self._slack_s = backstop_slack_s

@@ -29,22 +29,23 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, cast, get_args
 
 import numpy as np
 import torch
 
-from infra.colocate import ColocatedGroup
-from infra.config import OptimConfig, TrainConfig
-from infra.faults import EXIT_STATUS
+from infra.colocate import ColocatedGroup, TrainableModel
+from infra.config import OptimConfig, Strategy, TrainConfig
+from infra.faults import EXIT_STATUS, WorkerFault
 from infra.kernels import fuse_activations
 from storage import BatchMeta
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-ROLES = ("rollout", "reward", "actor", "ref", "critic")
-SHARDABLE = ("actor", "ref", "critic")  # roles whose models a training strategy may shard
+Role = Literal["rollout", "reward", "actor", "ref", "critic"]
+ROLES: tuple[Role, ...] = get_args(Role)
+SHARDABLE: tuple[Role, ...] = ("actor", "ref", "critic")  # a training strategy may shard these
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class WorkerSpec:
     """What a worker needs to build its roles (picklable: travels to the Ray actor). Settings
     come from ``cfg``, the run's config, read where they are used."""
 
-    roles: tuple[str, ...]
+    roles: tuple[Role, ...]
     cfg: TrainConfig
     policy_path: str
     tokenizer_path: str
@@ -62,6 +63,11 @@ class WorkerSpec:
     store_url: str = "memory://"
     rank: int = 0
     world_size: int = 1
+
+    @property
+    def trains(self) -> bool:
+        """Holds the actor: a data-parallel trainer (one of ``world_size``)."""
+        return "actor" in self.roles
 
 
 def pad_token_id(tokenizer: Any) -> int:
@@ -127,7 +133,7 @@ class ModelWorker:
         self.eos_ids = stop_token_ids(self.tokenizer, spec.policy_path)
         self.pad_id = pad_token_id(self.tokenizer)
         for role in spec.roles:
-            if role not in ROLES:
+            if role not in BUILDERS:
                 raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
         # Sharded models are built once the group exists (``join_group``); the rest now.
         self.deferred = tuple(
@@ -135,9 +141,9 @@ class ModelWorker:
         )
         self._build([r for r in spec.roles if r not in self.deferred])
 
-    def _build(self, roles: list[str] | tuple[str, ...]) -> None:
+    def _build(self, roles: list[Role] | tuple[Role, ...]) -> None:
         for role in roles:
-            getattr(self, f"_build_{role}")()
+            BUILDERS[role](self)
             self.group.put_all_to_sleep()  # models load awake; each waits asleep for its turn
 
     # ----------------------------------------------------------------- building roles
@@ -194,21 +200,13 @@ class ModelWorker:
         )
         self.group.register("reward", self.scorer)
 
-    def strategy(self, role: str) -> str:
-        """The training engine of ``role`` (``actor``/``critic``; the reference follows the
-        actor): ``<role>.strategy``, else ``fsdp2`` with more than one data-parallel worker."""
-        chosen = getattr(self.cfg, "critic" if role == "critic" else "actor").strategy
-        if chosen is None:
-            return "fsdp2" if self.spec.world_size > 1 else "none"
-        if chosen == "none" and self.spec.world_size > 1:
-            raise ValueError(
-                f"{role}.strategy='none' trains on one worker but this pool has "
-                f"{self.spec.world_size}: set {role}.strategy=fsdp2"
-            )
-        return str(chosen)
+    def strategy(self, role: Role) -> Strategy:
+        """The training engine of ``role``'s model (the reference follows the actor)."""
+        return self.cfg.strategy("critic" if role == "critic" else "actor", self.spec.world_size)
 
-    def _make_trainable(self, model: torch.nn.Module, optim: OptimConfig, role: str) -> Any:
-        from infra.colocate import TrainableModel
+    def _make_trainable(
+        self, model: torch.nn.Module, optim: OptimConfig, role: Role
+    ) -> TrainableModel:
         from infra.training import prepare_trainable
 
         fuse_activations(model)
@@ -218,6 +216,7 @@ class ModelWorker:
             compute_dtype=self.dtype,
             device=self.device,
             gradient_checkpointing=optim.gradient_checkpointing,
+            role="critic" if role == "critic" else "actor",
         )
         optimizer = torch.optim.AdamW(
             [p for p in module.parameters() if p.requires_grad],
@@ -256,7 +255,6 @@ class ModelWorker:
     def _build_ref(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        from infra.colocate import TrainableModel
         from infra.training import prepare_frozen
 
         if self.reference_is_actor:
@@ -287,20 +285,19 @@ class ModelWorker:
 
     def run_faulty(
         self,
-        action: str,
-        seconds: float,
+        fault: WorkerFault,
         fn: Callable[Concatenate[ModelWorker, P], R],
         /,
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> R:
-        """``run`` with an injected fault (infra.faults): ``kill_worker`` exits this process
-        before the step, ``delay`` waits ``seconds`` after it, before replying."""
-        if action == "kill_worker":
+        """``run`` with an injected fault (infra.faults): the process of rank
+        ``fault.kill_rank`` exits before the step; every worker waits ``fault.delay_s`` after
+        it, before replying."""
+        if fault.kill_rank == self.spec.rank:
             os._exit(EXIT_STATUS)
         result = fn(self, *args, **kwargs)
-        if action == "delay":
-            time.sleep(seconds)
+        time.sleep(fault.delay_s)
         return result
 
     def once(self, name: str, apply: Callable[[], R]) -> R:
@@ -312,11 +309,11 @@ class ModelWorker:
             self.applied[name] = apply()
         return cast(R, self.applied[name])
 
-    def has(self, role: str) -> bool:
+    def has(self, role: Role) -> bool:
         return role in self.spec.roles
 
     @contextmanager
-    def awake(self, role: str) -> Iterator[Any]:
+    def awake(self, role: Role) -> Iterator[Any]:
         """The model of ``role``, awake inside the block and asleep again after it."""
         with self.group.awake(role) as model:
             yield model
@@ -478,3 +475,13 @@ class ModelWorker:
             random.setstate(state["rng"]["python"])
         self.version = int(state["version"])
         return self.version
+
+
+# How each role's model is built, one entry per role.
+BUILDERS: dict[Role, Callable[[ModelWorker], None]] = {
+    "rollout": ModelWorker._build_rollout,
+    "reward": ModelWorker._build_reward,
+    "actor": ModelWorker._build_actor,
+    "ref": ModelWorker._build_ref,
+    "critic": ModelWorker._build_critic,
+}

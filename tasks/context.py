@@ -1,5 +1,12 @@
-"""What every stage task needs besides its ``BatchMeta``: the store, the config, the worker
-groups and the reward-function pool.
+"""What every stage task needs besides its ``BatchMeta``, and what it gives back.
+
+``StageContext`` carries the run's config, its step plan (``tasks.plan``), the policy's tokenizer,
+the KL controller, the injected faults and the ``Runtime`` (``infra.runtime``: store, worker
+groups, reward-function pool) — each held once. Stages return their outputs as ``StageResult``s
+(the widened handle and the stage's metrics); nothing is written into shared state.
+
+``faults_at`` is the one seam where injected faults (``infra.faults``) enter a stage: it wraps
+the stage's function, strikes the entry due at this try and arms the stage's worker group.
 
 A plain class on purpose: Prefect walks dataclasses and dicts in task arguments looking for
 futures, and this object holds a store and Ray actor handles that it must not walk.
@@ -7,11 +14,37 @@ futures, and this object holds a store and Ray actor handles that it must not wa
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any
+import functools
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from infra.config import TrainConfig
 from infra.faults import FaultPlan
+from infra.group import WorkerGroup
+from infra.runtime import Runtime
+from storage import BatchMeta, Store
+from tasks.kl import AdaptiveKLController, FixedKLController
+from tasks.plan import StepPlan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from infra.reward_functions import RewardFunctionPool
+
+KLController = FixedKLController | AdaptiveKLController
+Metrics = dict[str, float]
+Stage = Literal["generate", "score", "logprobs", "advantage", "update", "validate"]
+
+
+def kl_controller(cfg: TrainConfig) -> KLController:
+    """The run's KL coefficient: adaptive (``algorithm.kl.adaptive``) or fixed."""
+    kl = cfg.algorithm.kl
+    if kl.adaptive:
+        return AdaptiveKLController(init_coef=kl.coef, target=kl.target, horizon=kl.horizon)
+    return FixedKLController(coef=kl.coef)
 
 
 class StageContext:
@@ -21,43 +54,93 @@ class StageContext:
         self,
         *,
         cfg: TrainConfig,
-        store: Any,
-        tokenizer: Any,
-        train_group: Any,
-        reward_group: Any | None = None,
-        rollout_group: Any | None = None,
-        kl_controller: Any | None = None,
-        reward_pool: Any | None = None,
+        rt: Runtime,
+        tokenizer: PreTrainedTokenizerBase | None,
+        plan: StepPlan | None = None,
+        kl: KLController | None = None,
         faults: FaultPlan | None = None,
     ) -> None:
         self.cfg = cfg
-        self.store = store
-        self.tokenizer = tokenizer
-        self.train_group = train_group
-        self.reward_group = reward_group  # None: no reward model in this run
-        self.rollout_group = rollout_group or train_group
-        self.kl_controller = kl_controller
-        self.reward_pool = reward_pool  # None: no reward functions
+        self.rt = rt
+        self.tokenizer = tokenizer  # the policy's (None: a context that submits no prompts)
+        self.plan = plan if plan is not None else StepPlan.from_config(cfg)
+        self.kl = kl if kl is not None else kl_controller(cfg)
         self.faults = faults if faults is not None else FaultPlan([], None)
-        self.metrics: dict[int, dict[str, float]] = defaultdict(dict)
 
-    def record(self, step: int, values: dict[str, float]) -> None:
-        self.metrics[step].update({k: float(v) for k, v in values.items()})
+    @property
+    def store(self) -> Store:
+        return self.rt.store
+
+    @property
+    def train_group(self) -> WorkerGroup:
+        return self.rt.train_group
+
+    @property
+    def rollout_group(self) -> WorkerGroup:
+        return self.rt.rollout_group
+
+    @property
+    def reward_group(self) -> WorkerGroup | None:
+        """The reward model's workers (None: no reward model in this run)."""
+        return self.rt.reward_group
+
+    @property
+    def reward_pool(self) -> RewardFunctionPool | None:
+        """The reward functions' processes (None: no reward functions)."""
+        return self.rt.reward_pool
 
     @property
     def get_timeout(self) -> float:
         return self.cfg.store.get_timeout_s
 
-    def inject(self, stage: str, step: int, group: Any | None = None) -> None:
-        """Fire the ``faults`` entry due at this try of ``stage`` (infra.faults): ``raise``,
-        ``exit_flow`` and ``kill_store_shard`` act here, ``delay`` and ``kill_worker`` on
-        ``group``'s next call."""
-        if not self.faults.faults:
-            return
-        from prefect.runtime import task_run
 
-        attempt = max(int(task_run.run_count or 1), 1)
-        fault = self.faults.take(stage, step, attempt)
-        self.faults.fire_here(fault, f"{stage} at step {step}, attempt {attempt}", self.store)
-        if fault is not None and group is not None and fault.action in ("delay", "kill_worker"):
-            group.arm(fault)
+@dataclass(frozen=True)
+class StageResult:
+    """A stage's output: the handle of what it wrote, and its metrics for the step."""
+
+    meta: BatchMeta
+    metrics: Metrics = field(default_factory=dict)
+
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+StageFn = Callable[[StageContext, In, int], Out]
+
+
+def faults_at(
+    stage: Stage, group: Callable[[StageContext], WorkerGroup]
+) -> Callable[[StageFn[In, Out]], StageFn[In, Out]]:
+    """Wrap a stage's function ``fn(ctx, input, step)`` (under its ``@task``): before it runs,
+    the ``faults`` entry due at this try strikes (``infra.faults.strike``), worker-side actions
+    armed on ``group(ctx)``."""
+
+    def wrap(fn: StageFn[In, Out]) -> StageFn[In, Out]:
+        @functools.wraps(fn)
+        def run(ctx: StageContext, inp: In, step: int) -> Out:
+            if ctx.faults.faults:
+                from prefect.runtime import task_run
+
+                attempt = max(int(task_run.run_count or 1), 1)
+                ctx.faults.strike_due(stage, step, attempt, store=ctx.store, group=group(ctx))
+            return fn(ctx, inp, step)
+
+        return run
+
+    return wrap
+
+
+class Timings:
+    """Seconds spent per named part of a step: ``with timings("generate"): ...`` adds
+    ``timing_s/generate``."""
+
+    def __init__(self) -> None:
+        self.seconds: Metrics = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing_s/{name}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0

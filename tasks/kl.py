@@ -162,7 +162,7 @@ def _checked_value(state: dict[str, float | str], *, expected_kind: str) -> floa
     if state.get("kind") != expected_kind:
         raise ValueError(
             f"KL controller state is of kind {state.get('kind')!r} but this controller is "
-            f"{expected_kind!r}: the checkpoint was written with a different kl_ctrl setting"
+            f"{expected_kind!r}: the checkpoint was written with a different algorithm.kl.adaptive setting"
         )
     value = state.get("value")
     if not isinstance(value, (int, float)):

@@ -89,8 +89,8 @@ def record_response_lengths() -> dict[int, list[int]]:
     lengths: dict[int, list[int]] = {}
     compute = score_stage.compute_scores
 
-    def recorded(ctx: Any, meta: Any) -> Any:
-        scores = compute(ctx, meta)
+    def recorded(ctx: Any, meta: Any, scoring: Any) -> Any:
+        scores = compute(ctx, meta, scoring)
         step = int(meta.partition_id.rsplit("-", 1)[1])  # train/step-000003
         lengths[step] = [int(n) for n in scores.response_lengths.tolist()]
         return scores
@@ -162,12 +162,25 @@ class TimedStore:
         return timed
 
 
+class Plain:
+    """A stage task called without Prefect: ``with_options`` gives back its plain function."""
+
+    def __init__(self, task: Any) -> None:
+        self.fn = task.fn
+
+    def with_options(self, **_: Any) -> Any:
+        return self.fn
+
+
 def run_staged(cfg: Any, baton: Baton) -> Run:
     """``Trainer.iteration`` on Ray workers and the store, each Prefect task's plain ``.fn``."""
+    import flows.loop
     import storage
-    from flows.loop import STAGES as TASKS
     from flows.loop import Trainer
     from flows.runtime import build_runtime
+
+    for name in ("generate", "score", "logprobs", "advantage", "update"):
+        setattr(flows.loop, name, Plain(getattr(flows.loop, name)))
 
     models = resolved_models(cfg)
     opened: list[TimedStore] = []
@@ -183,7 +196,6 @@ def run_staged(cfg: Any, baton: Baton) -> Run:
         tokenizer = AutoTokenizer.from_pretrained(models.tokenizer)
         datasets = load_datasets(cfg, models, tokenizer)
         trainer = Trainer(cfg, runtime, models, cfg.resolved_run_dir, datasets, tokenizer)
-        trainer.stages = {name: task.fn for name, task in TASKS.items()}
         for row, seconds in turns(baton, cfg.trainer.total_steps, trainer.iteration):
             run.rows.append(row)
             run.step_s.append(seconds)
@@ -207,9 +219,9 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
 
     from tasks.advantage.stage import advantage_rows
     from tasks.generate.stage import generate_rows, generation_seed, submit_prompts
-    from tasks.logprobs.stage import forward_rows, writes
+    from tasks.logprobs.stage import forward_rows
     from tasks.score.stage import score_rows, uses_rule
-    from tasks.update.stage import update_rows, update_step_settings
+    from tasks.update.stage import actor_settings, critic_settings, update_rows
 
     cfg, n, t = ctx.cfg, ctx.cfg.rollout.n, {}
     start = time.perf_counter()
@@ -222,7 +234,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
         prompts = type(meta)(partition, meta.keys[::n])
         worker.run(generate_rows, prompts, n=n, seed=generation_seed(cfg.seed, step), first_group=0)
     with timed(t, "score"):
-        rule = cfg.reward.rule if uses_rule(ctx) else None
+        rule = cfg.reward.rule if uses_rule(cfg) else None
         part = worker.run(score_rows, meta, rule=rule, texts=False)
         scores = torch.zeros(len(meta.keys))
         if part.rm is not None:
@@ -231,13 +243,20 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
             scores += cfg.reward.rule_weight * torch.tensor(part.rule)
         ctx.store.kv_batch_put(list(meta.keys), partition, {"scores": scores})
     with timed(t, "logprobs"):
-        needed = writes(ctx)  # nothing for one on-policy step without reference or critic
+        needed = ctx.plan.forward_passes  # none: one on-policy step, no reference or critic
         if needed:
             worker.run(forward_rows, meta, names=needed)
     with timed(t, "advantage"):
-        worker.run(advantage_rows, meta, kl_coef=ctx.kl_controller.value)
+        worker.run(advantage_rows, meta, plan=ctx.plan, kl_coef=ctx.kl.value)
     with timed(t, "update"):
-        worker.run(update_rows, meta, step=step, **update_step_settings(ctx))
+        worker.run(
+            update_rows,
+            meta,
+            step=step,
+            fields=ctx.plan.update_fields,
+            actor=actor_settings(cfg, 1),
+            critic=critic_settings(cfg, 1) if ctx.plan.critic else None,
+        )
     ctx.store.kv_clear(partition)
     t["timing_s/step"] = time.perf_counter() - start
     t["perf/total_num_tokens"] = float(sum(part.response_lengths))
@@ -250,25 +269,21 @@ def run_direct(cfg: Any, baton: Baton) -> Run:
 
     from flows.runtime import _spec, _train_roles
     from infra.data import PromptDataset
+    from infra.runtime import Runtime
     from infra.workers import ModelWorker
     from storage import open_store
     from tasks.context import StageContext
-    from tasks.kl import FixedKLController
 
     models = resolved_models(cfg)
     store = open_store("memory://bench-direct")
     worker = ModelWorker(_spec(cfg, models, _train_roles(cfg), store.url))
 
-    class OneWorker:  # the stage settings read the training group's size
+    class NoGroup:  # the worker is called directly, in this process
         size = 1
 
-    ctx = StageContext(
-        cfg=cfg,
-        store=store,
-        tokenizer=AutoTokenizer.from_pretrained(models.tokenizer),
-        train_group=OneWorker(),
-        kl_controller=FixedKLController(coef=cfg.algorithm.kl.coef),
-    )
+    group: Any = NoGroup()
+    rt = Runtime(store=store, train_group=group, rollout_group=group)
+    ctx = StageContext(cfg=cfg, rt=rt, tokenizer=AutoTokenizer.from_pretrained(models.tokenizer))
     data = PromptDataset(Path(models.train_data), seed=cfg.seed)
     steps = turns(baton, cfg.trainer.total_steps, lambda k: direct_iteration(worker, ctx, data, k))
     rows, seconds = zip(*steps)

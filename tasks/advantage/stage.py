@@ -4,37 +4,50 @@ configured estimator's advantages and returns.
 Group estimators need whole prompt groups and batch whitening needs the whole batch, so one
 training worker (rank 0) takes the partition (``advantage_rows``): it reads the fields, runs the
 pure tensor math of ``compute`` and writes the rows back. The KL coefficient comes in as an
-argument and nothing here moves the controller: it moves when the step commits (flows.loop),
-so a retried task computes the same rows.
+argument and nothing here moves the controller: the task returns the batch's KL penalty
+(``AdvantageResult.reward_kl``) and the controller moves on it when the step commits
+(flows.loop), so a retried task computes the same rows. What the stage reads, and whether it
+measures ``actor/kl_to_ref``, is the step plan's (``tasks.plan``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from torch import Tensor
 
-from infra.config import AlgorithmConfig, TrainConfig
+from infra.config import TrainConfig
 from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.advantage.core import run_estimator
-from tasks.context import StageContext
+from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.io import from_padded, lengths, padded
 from tasks.kl import apply_kl_penalty, kl_penalty
 from tasks.masks import masked_mean
+from tasks.plan import StepPlan
 from tasks.score.core import lengths_to_mask, place_scores
 
 WRITES = ("response_mask", "token_rewards", "advantages", "returns")
 
 
-def reads(algo: AlgorithmConfig, *, old_logprobs: str | None = "old_logprobs") -> tuple[str, ...]:
-    """What the stage reads; ``old_logprobs`` names the policy's log-probs field
-    (``TrainConfig.old_logprobs_field``); without one the update logs actor/kl_to_ref itself."""
-    return (
-        ("response_ids", "scores", "group_ids")
-        + ((old_logprobs, "ref_logprobs") if old_logprobs and algo.use_reference else ())
-        + (("values",) if algo.use_critic else ())
-    )
+@dataclass(frozen=True)
+class AdvantageResult(StageResult):
+    """The stage's output, and the batch's mean KL penalty when the reward holds one (the KL
+    controller's input)."""
+
+    reward_kl: float | None = None
+
+
+@dataclass(frozen=True)
+class Computed:
+    """Padded (B, T) tensors of everything the stage writes, the metrics and the mean KL
+    penalty (None: no KL in the reward)."""
+
+    tensors: dict[str, Tensor]
+    metrics: Metrics
+    reward_kl: float | None
 
 
 def _mean(x: Tensor, mask: Tensor) -> float:
@@ -42,9 +55,9 @@ def _mean(x: Tensor, mask: Tensor) -> float:
 
 
 def compute(
-    cfg: TrainConfig, data: dict[str, Tensor], *, kl_coef: float
-) -> tuple[dict[str, Tensor], dict[str, float]]:
-    """Padded (B, T) tensors of everything the stage writes, and the batch's metrics."""
+    cfg: TrainConfig, data: dict[str, Tensor], *, plan: StepPlan, kl_coef: float
+) -> Computed:
+    """Everything the stage writes for one batch (see ``Computed``)."""
     algo = cfg.algorithm
     n = lengths(data["response_ids"])  # (B,)
     width = int(n.max()) if len(n) else 0
@@ -55,16 +68,15 @@ def compute(
         "response_mask": mask,
     }
     d["token_rewards"] = place_scores(d["scores"], n, width)  # (B, T)
-    metrics: dict[str, float] = {}
-    field = cfg.old_logprobs_field  # the policy's log-probs, when the stage reads them
-    policy = data.get(field) if field is not None else None
-    if policy is not None and "ref_logprobs" in data:  # else the update logs the KL
-        logprobs = padded(policy, width).float()
+    metrics: Metrics = {}
+    reward_kl = None
+    if plan.kl_to_ref_at == "advantage" and plan.old_logprobs is not None:
+        logprobs = padded(data[plan.old_logprobs], width).float()
         ref = padded(data["ref_logprobs"], width).float()
         metrics["actor/kl_to_ref"] = _mean(
             kl_penalty(logprobs=logprobs, ref_logprobs=ref, kind="k1"), mask
         )
-        if algo.kl.in_reward:
+        if plan.kl_in_reward:
             d["token_rewards"], kl_mean = apply_kl_penalty(
                 token_rewards=d["token_rewards"],
                 logprobs=logprobs,
@@ -73,30 +85,32 @@ def compute(
                 coef=kl_coef,
                 kind=algo.kl.kind,
             )
-            metrics["actor/reward_kl_penalty"] = float(kl_mean)
+            reward_kl = float(kl_mean)
+            metrics["actor/reward_kl_penalty"] = reward_kl
             metrics["actor/reward_kl_penalty_coeff"] = kl_coef
-    if algo.use_critic:
+    if plan.critic:
         d["values"] = padded(data["values"], width).float()
     out = run_estimator(algo.estimator, tensors=d, settings=algo)
     d["advantages"], d["returns"] = out.advantages, out.returns
     metrics["critic/advantages/mean"] = _mean(d["advantages"], mask)
     metrics["critic/returns/mean"] = _mean(d["returns"], mask)
-    return d, metrics
+    return Computed(tensors=d, metrics=metrics, reward_kl=reward_kl)
 
 
-def advantage_rows(worker: ModelWorker, meta: BatchMeta, *, kl_coef: float) -> dict[str, float]:
-    """Worker side: read the batch → ``compute`` → write its rows; returns the metrics."""
-    cfg = worker.cfg
-    data = worker.read(meta, reads(cfg.algorithm, old_logprobs=cfg.old_logprobs_field))
-    d, metrics = compute(cfg, data, kl_coef=kl_coef)
+def advantage_rows(
+    worker: ModelWorker, meta: BatchMeta, *, plan: StepPlan, kl_coef: float
+) -> Computed:
+    """Worker side: read the batch → ``compute`` → write its rows; returns what it computed,
+    without the tensors."""
+    data = worker.read(meta, plan.advantage_reads)
+    out = compute(worker.cfg, data, plan=plan, kl_coef=kl_coef)
     n = lengths(data["response_ids"])
-    worker.write(meta, {name: from_padded(d[name], n) for name in WRITES})
-    return metrics
+    worker.write(meta, {name: from_padded(out.tensors[name], n) for name in WRITES})
+    return Computed(tensors={}, metrics=out.metrics, reward_kl=out.reward_kl)
 
 
 @task(name="advantage", cache_policy=NO_CACHE, task_run_name="advantage[step={step}]")
-def advantage(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
-    ctx.inject("advantage", step, ctx.train_group)
-    coef = ctx.kl_controller.value if ctx.kl_controller is not None else 0.0
-    ctx.record(step, ctx.train_group.run_on(0, advantage_rows, meta, kl_coef=coef))
-    return meta.with_fields(*WRITES)
+@faults_at("advantage", lambda ctx: ctx.train_group)
+def advantage(ctx: StageContext, meta: BatchMeta, step: int) -> AdvantageResult:
+    out = ctx.train_group.run_on(0, advantage_rows, meta, plan=ctx.plan, kl_coef=ctx.kl.value)
+    return AdvantageResult(meta.with_fields(*WRITES), out.metrics, reward_kl=out.reward_kl)

@@ -9,17 +9,20 @@ retried task regenerates identical rows and its puts are no-ops.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.data import chat_prompt_ids
+from infra.data import PromptRow, chat_prompt_ids
 from infra.workers import ModelWorker
 from storage import BatchMeta
-from tasks.context import StageContext
+from tasks.context import StageContext, faults_at
 from tasks.io import nested, rows, write
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 READS = ("prompt_ids",)
 WRITES = ("response_ids", "rollout_logprobs", "group_ids", "rollout_version")
@@ -31,17 +34,20 @@ def sample_keys(uids: list[str], n: int) -> list[str]:
     return [f"{uid}/{i}" for uid in uids for i in range(n)]
 
 
-def row_prompt_ids(tokenizer: Any, row: Any) -> torch.Tensor:
+def row_prompt_ids(tokenizer: PreTrainedTokenizerBase | None, row: PromptRow) -> torch.Tensor:
     """A row's prompt ids as a tensor: those ``infra.data.render_prompts`` filled in, else the
     policy's chat template rendered now (the built-in task's short prompts)."""
-    ids = getattr(row, "prompt_ids", ()) or chat_prompt_ids(tokenizer, row.raw_prompt)
-    return torch.tensor(ids, dtype=torch.int64)
+    if row.prompt_ids:
+        return torch.tensor(row.prompt_ids, dtype=torch.int64)
+    if tokenizer is None:
+        raise ValueError(f"prompt {row.uid!r} is not rendered and this context has no tokenizer")
+    return torch.tensor(chat_prompt_ids(tokenizer, row.raw_prompt), dtype=torch.int64)
 
 
 def submit_prompts(
-    ctx: StageContext, *, partition_id: str, rows: list[Any], n: int | None = None
+    ctx: StageContext, *, partition_id: str, rows: list[PromptRow], n: int | None = None
 ) -> BatchMeta:
-    """Put the prompt fields of ``rows`` (``infra.data.PromptRow``) for every sample key."""
+    """Put the prompt fields of ``rows`` for every sample key."""
     n = ctx.cfg.rollout.n if n is None else n
     ids = [row_prompt_ids(ctx.tokenizer, row) for row in rows]
     keys = sample_keys([row.uid for row in rows], n)
@@ -57,8 +63,8 @@ def submit_prompts(
             "prompt_ids": nested(each(ids)),
             "raw_prompt": each([row.raw_prompt for row in rows]),
             "ground_truth": each([row.ground_truth for row in rows]),
-            "data_source": each([getattr(row, "data_source", "addition") for row in rows]),
-            "extra_info": each([dict(getattr(row, "extra_info", {}) or {}) for row in rows]),
+            "data_source": each([row.data_source for row in rows]),
+            "extra_info": each([dict(row.extra_info) for row in rows]),
         },
     )
 
@@ -144,9 +150,9 @@ def generate_partition(
 
 
 @task(name="generate", cache_policy=NO_CACHE, task_run_name="generate[step={step}]")
+@faults_at("generate", lambda ctx: ctx.rollout_group)
 def generate(ctx: StageContext, metas: list[BatchMeta], step: int) -> list[BatchMeta]:
     """Generate responses for each submitted partition in ``metas`` (several when generating ahead)."""
-    ctx.inject("generate", step, ctx.rollout_group)
     out = []
     for offset, meta in enumerate(metas):
         done = ctx.store.kv_list(meta.partition_id)

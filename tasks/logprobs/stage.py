@@ -1,12 +1,12 @@
 """logprobs: ``old_logprobs`` (actor), ``ref_logprobs`` (reference) and ``values`` (critic).
 
 The training workers each take a shard of the batch (``forward_rows``): read ``prompt_ids``
-and ``response_ids``, recompute the actor's log-probabilities of the sampled tokens (at the
-rollout temperature), the frozen reference's when a KL term is configured, and the critic's
-values when the estimator is GAE — each model woken in turn — and write them back. The actor's
-pass is skipped when the update is one on-policy optimizer step
-(``TrainConfig.recompute_old_logprobs``): the update then takes its own forward pass, made
-before any weight changes, as ``old_logprobs``.
+and ``response_ids``, run the passes of the step plan (``StepPlan.forward_passes``, see
+``tasks.plan``) — the actor's log-probabilities of the sampled tokens at the rollout temperature
+unless the update takes its own first forward pass (or the rollout's) as ``old_logprobs``; the
+frozen reference's whenever the run holds a reference (a KL in the reward, a KL loss, or
+``algorithm.kl.monitor``); the critic's values when the estimator is GAE — each model woken in
+turn — and write them back. The flow leaves the task out when the plan has no pass.
 """
 
 from __future__ import annotations
@@ -29,19 +29,11 @@ from tasks.batching import (
     pack_batch,
     token_micro_batches,
 )
-from tasks.context import StageContext
+from tasks.context import StageContext, faults_at
 from tasks.io import from_padded, rows
+from tasks.plan import ForwardPass
 
 READS = ("prompt_ids", "response_ids")
-
-
-def writes(ctx: StageContext) -> tuple[str, ...]:
-    algo = ctx.cfg.algorithm
-    return (
-        (("old_logprobs",) if ctx.cfg.recompute_old_logprobs else ())
-        + (("ref_logprobs",) if algo.use_reference else ())
-        + (("values",) if algo.use_critic else ())
-    )
 
 
 def read_packed(worker: ModelWorker, shard: BatchMeta) -> PackedBatch:
@@ -168,7 +160,7 @@ def response_values(
     return micro_forward(worker, model, batch, gather, count_reducer=count_reducer)
 
 
-def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[str, ...]) -> None:
+def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[ForwardPass, ...]) -> None:
     """Worker side: read my samples → the forward passes of ``names`` → write them."""
     batch = read_packed(worker, shard)
     n = batch.response_lengths
@@ -193,9 +185,9 @@ def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[str, ...
 
 
 @task(name="logprobs", cache_policy=NO_CACHE, task_run_name="logprobs[step={step}]")
+@faults_at("logprobs", lambda ctx: ctx.train_group)
 def logprobs(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
-    ctx.inject("logprobs", step, ctx.train_group)
-    names = writes(ctx)  # never empty here: the training loop leaves the task out then
+    names = ctx.plan.forward_passes
     # Every training worker takes part (equal shards: the batch divides by the worker count), as
     # sharded models' forward passes are collectives.
     ctx.train_group.run_sharded(forward_rows, meta, names=names)

@@ -28,18 +28,23 @@ again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from infra.config import TrainConfig
+from infra.group import WorkerGroup
 from infra.workers import ModelWorker
 from storage import BatchMeta
-from tasks.context import StageContext
+from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.io import lengths, nested, read, rows, write
 from tasks.rewards import RULES
 from tasks.score.core import assemble_rm_scores, find_nonfinite, score_metrics
+
+if TYPE_CHECKING:
+    from infra.reward_functions import FunctionScores
 
 READS = ("prompt_ids", "response_ids", "raw_prompt", "ground_truth", "data_source", "extra_info")
 FUNCTION_READS = ("ground_truth", "data_source", "extra_info")  # in the flow process
@@ -49,17 +54,45 @@ class NonFiniteScoreError(ValueError):
     """The reward model returned NaN or inf; nothing was written for the batch."""
 
 
-def uses_rule(ctx: StageContext) -> bool:
+def uses_rule(cfg: TrainConfig) -> bool:
     """The rule reward is computed on the built-in task (its honest metric) or when weighted."""
-    return ctx.cfg.data.builtin or ctx.cfg.reward.rule_weight != 0
+    return cfg.data.builtin or cfg.reward.rule_weight != 0
 
 
-def writes(ctx: StageContext) -> tuple[str, ...]:
-    return (
-        ("scores",)
-        + (("rm_scores",) if ctx.reward_group is not None else ())
-        + (("rule_scores",) if uses_rule(ctx) else ())
-    )
+@dataclass(frozen=True)
+class Scoring:
+    """Which rewards score a batch, and their weights in the per-sample total."""
+
+    model_weight: float | None  # the reward model's (None: not scored by it)
+    functions: bool  # the reward functions (``reward.functions``, their own weights)
+    rule: str | None  # a ``tasks.rewards.RULES`` name (None: no rule)
+    rule_weight: float
+
+    @classmethod
+    def for_training(cls, ctx: StageContext) -> Scoring:
+        """The run's rewards (``reward.*``); the rule is computed as the built-in task's honest
+        metric even at weight 0."""
+        cfg = ctx.cfg.reward
+        return cls(
+            model_weight=cfg.model_weight if ctx.reward_group is not None else None,
+            functions=bool(cfg.functions),
+            rule=cfg.rule if uses_rule(ctx.cfg) else None,
+            rule_weight=cfg.rule_weight,
+        )
+
+    @classmethod
+    def rule_only(cls, rule: str) -> Scoring:
+        """The rule alone, at weight 1 (the built-in task's held-out accuracy)."""
+        return cls(model_weight=None, functions=False, rule=rule, rule_weight=1.0)
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        """The fields scoring a training batch writes."""
+        return (
+            ("scores",)
+            + (("rm_scores",) if self.model_weight is not None else ())
+            + (("rule_scores",) if self.rule else ())
+        )
 
 
 @dataclass
@@ -132,16 +165,22 @@ class Scores:
     response_lengths: torch.Tensor  # (B,)
     rm: torch.Tensor | None = None  # (B,)
     rule: torch.Tensor | None = None  # (B,)
-    metrics: dict[str, float] = field(default_factory=dict)
+    functions: FunctionScores | None = None
+    metrics: Metrics = field(default_factory=dict)
 
 
-def scoring_group(ctx: StageContext) -> Any:
-    """The reward pool's workers when there is a reward model, else the rollout pool's."""
-    return ctx.reward_group if ctx.reward_group is not None else ctx.rollout_group
+def scoring_group(ctx: StageContext, scoring: Scoring) -> WorkerGroup:
+    """The reward model's workers when it scores, else the rollout pool's."""
+    if scoring.model_weight is not None and ctx.reward_group is not None:
+        return ctx.reward_group
+    return ctx.rollout_group
 
 
-def _function_scores(ctx: StageContext, meta: BatchMeta, texts: list[str]) -> Any:
+def _function_scores(ctx: StageContext, meta: BatchMeta, texts: list[str]) -> FunctionScores:
     from infra.reward_functions import RewardSample
+
+    if ctx.reward_pool is None:
+        raise ValueError("reward functions asked for, but the run has no reward.functions")
 
     data = read(ctx, meta, FUNCTION_READS)
     samples = [
@@ -164,16 +203,16 @@ def _function_scores(ctx: StageContext, meta: BatchMeta, texts: list[str]) -> An
     return ctx.reward_pool.score(samples)
 
 
-def compute_scores(ctx: StageContext, meta: BatchMeta) -> Scores:
-    """Every configured reward for one batch (see the module docstring); raises before
+def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scores:
+    """The rewards of ``scoring`` for one batch (see the module docstring); raises before
     ``scores`` is written when one of them fails."""
-    weights = ctx.cfg.reward
-    parts = scoring_group(ctx).run_sharded(
+    parts = scoring_group(ctx, scoring).run_sharded(
         score_rows,
         meta,
         skip_empty=True,
-        rule=weights.rule if uses_rule(ctx) else None,
-        texts=bool(weights.functions),
+        rule=scoring.rule,
+        texts=scoring.functions,
+        model=scoring.model_weight is not None,
     )
     out = Scores(
         total=torch.zeros(len(meta.keys), dtype=torch.float32),
@@ -182,49 +221,48 @@ def compute_scores(ctx: StageContext, meta: BatchMeta) -> Scores:
         ),
     )
     # 1. The reward model, if any.
-    if ctx.reward_group is not None:
+    if scoring.model_weight is not None:
         out.rm = torch.tensor([v for p in parts for v in p.rm or ()], dtype=torch.float32)
-        out.total += weights.model_weight * out.rm
+        out.total += scoring.model_weight * out.rm
         out.metrics["reward/rm_score/mean"] = float(out.rm.mean())
         out.metrics["reward/rm_truncated_ratio"] = sum(p.truncated for p in parts) / len(meta.keys)
     # 2. Reward functions, in their process pool.
-    if weights.functions:
+    if scoring.functions:
         from infra.reward_functions import metrics as function_metrics
 
         fs = _function_scores(ctx, meta, [t for p in parts for t in p.texts or ()])
         out.total += torch.tensor(fs.total, dtype=torch.float32)
+        out.functions = fs
         out.metrics.update(function_metrics(fs))
     # 3. The rule.
-    if uses_rule(ctx):
+    if scoring.rule is not None:
         out.rule = torch.tensor([v for p in parts for v in p.rule or ()], dtype=torch.float32)
-        out.total += weights.rule_weight * out.rule
+        out.total += scoring.rule_weight * out.rule
         out.metrics["reward/rule/mean"] = float(out.rule.mean())
     return out
 
 
 @task(name="score", cache_policy=NO_CACHE, task_run_name="score[step={step}]")
-def score(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
-    ctx.inject("score", step, scoring_group(ctx))
-    names = writes(ctx)
+@faults_at("score", lambda ctx: scoring_group(ctx, Scoring.for_training(ctx)))
+def score(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
+    scoring = Scoring.for_training(ctx)
+    names = scoring.writes
     # 0. Scored before a restart (a partition checkpointed in flight): nothing to redo.
     done = ctx.store.kv_list(meta.partition_id)
     if meta.keys and all(set(names) <= set(done.get(k, ())) for k in meta.keys):
-        return meta.with_fields(*names)
+        return StageResult(meta.with_fields(*names))
     # 1. Score on the workers (they write rm_scores; raises, writing no scores, when a reward fails).
-    scores = compute_scores(ctx, meta)
-    ctx.record(
-        step,
-        {
-            **score_metrics(scores=scores.total, response_lengths=scores.response_lengths),
-            **scores.metrics,
-            "response_length/mean": float(scores.response_lengths.float().mean()),
-            "response_length/max": float(scores.response_lengths.max()),
-            "perf/total_num_tokens": float(scores.response_lengths.sum()),
-        },
-    )
+    scores = compute_scores(ctx, meta, scoring)
+    metrics = {
+        **score_metrics(scores=scores.total, response_lengths=scores.response_lengths),
+        **scores.metrics,
+        "response_length/mean": float(scores.response_lengths.float().mean()),
+        "response_length/max": float(scores.response_lengths.max()),
+        "perf/total_num_tokens": float(scores.response_lengths.sum()),
+    }
     # 2. Write the per-sample totals.
-    fields: dict[str, Any] = {"scores": scores.total}
+    fields: dict[str, torch.Tensor] = {"scores": scores.total}
     if scores.rule is not None:
         fields["rule_scores"] = scores.rule
     write(ctx, meta, fields)
-    return meta.with_fields(*names)
+    return StageResult(meta.with_fields(*names), metrics)

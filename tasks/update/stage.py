@@ -26,7 +26,7 @@ from infra.config import OptimConfig, TrainConfig
 from infra.training import gradient_sync
 from infra.workers import ModelWorker
 from storage import BatchMeta
-from tasks.context import StageContext
+from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.io import padded
 from tasks.logprobs.stage import agree_count, read_packed
 from tasks.update.optimize import (
@@ -36,21 +36,6 @@ from tasks.update.optimize import (
     count_minibatch_units,
     critic_update,
 )
-
-
-def reads(ctx: StageContext) -> tuple[str, ...]:
-    """Besides prompts and responses: the advantages, the old log-probs from
-    ``TrainConfig.old_logprobs_field`` (without one the update uses its own first forward pass
-    instead, and logs actor/kl_to_ref from it when a reference is held), the reference's
-    log-probs for a KL loss, and the critic's inputs."""
-    algo, old = ctx.cfg.algorithm, ctx.cfg.old_logprobs_field
-    with_ref = algo.kl.loss_coef > 0 or (algo.use_reference and old is None)
-    return (
-        ("advantages",)
-        + ((old,) if old else ())
-        + (("ref_logprobs",) if with_ref else ())
-        + (("values", "returns") if algo.use_critic else ())
-    )
 
 
 def _per_worker(opt: OptimConfig, world: int) -> dict[str, int]:
@@ -120,10 +105,10 @@ def update_rows(
     fields: dict[str, str],
     actor: ActorUpdateSettings,
     critic: CriticUpdateSettings | None,
-) -> dict[str, float]:
+) -> Metrics:
     """Worker side, at most once per step (``ModelWorker.once``): read my samples → one PPO
     update of the actor (and critic) → new policy version. ``fields`` maps the store's field
-    names to the names the update takes them under."""
+    names to the names the update takes them under (``StepPlan.update_fields``)."""
     return worker.once(
         f"update@{step}", lambda: _update(worker, shard, fields=fields, actor=actor, critic=critic)
     )
@@ -200,42 +185,31 @@ def combine_worker_metrics(results: list[dict[str, float]]) -> dict[str, float]:
 
 
 def sync_rollout_weights(ctx: StageContext) -> None:
-    """Push the actor's weights to a rollout pool that is not the training pool."""
+    """Push the actor's weights to a rollout pool that is not the training pool: every training
+    worker takes part in gathering them; rank 0's reply carries them, from its worker to the
+    rollout workers without passing through this process."""
     if ctx.rollout_group is ctx.train_group:
         return
-    train = ctx.train_group
-    version = train.call(ModelWorker.ping)[0]["version"]
-    # Every training worker takes part in gathering the weights; rank 0's reply carries them,
-    # and goes from its worker to the rollout workers without passing through this process.
-    states = [w.policy_state.remote() for w in train.workers]
-    train.get(states[1:], "policy_state")
-    ctx.rollout_group.call(ModelWorker.load_policy, states[0], version)
-
-
-def field_names(ctx: StageContext) -> dict[str, str]:
-    """The stored fields the update reads → the names it takes them under: the configured old
-    log-probs field (``TrainConfig.old_logprobs_field``) as ``old_logprobs``."""
-    old = ctx.cfg.old_logprobs_field
-    return {name: ("old_logprobs" if name == old else name) for name in reads(ctx)}
-
-
-def update_step_settings(ctx: StageContext) -> dict[str, Any]:
-    """The keyword arguments of ``update_rows`` for this run."""
-    world = ctx.train_group.size
-    return {
-        "fields": field_names(ctx),
-        "actor": actor_settings(ctx.cfg, world),
-        "critic": critic_settings(ctx.cfg, world) if ctx.cfg.algorithm.use_critic else None,
-    }
+    version = ctx.train_group.call(ModelWorker.ping)[0]["version"]
+    ctx.train_group.relay(
+        ModelWorker.policy_state, ctx.rollout_group, ModelWorker.load_policy, version
+    )
 
 
 @task(name="update", cache_policy=NO_CACHE, task_run_name="update[step={step}]")
-def update(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
-    ctx.inject("update", step, ctx.train_group)
+@faults_at("update", lambda ctx: ctx.train_group)
+def update(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
+    world = ctx.train_group.size
     # 1. Every training worker updates on its shard (they normalise by global counts), once per
     # step: a retry gets the first attempt's result.
-    results = ctx.train_group.run_sharded(update_rows, meta, step=step, **update_step_settings(ctx))
-    # 2. Metrics (losses summed over the workers' shares, the rest averaged), then weight sync.
-    ctx.record(step, combine_worker_metrics(results))
+    results = ctx.train_group.run_sharded(
+        update_rows,
+        meta,
+        step=step,
+        fields=ctx.plan.update_fields,
+        actor=actor_settings(ctx.cfg, world),
+        critic=critic_settings(ctx.cfg, world) if ctx.plan.critic else None,
+    )
+    # 2. Weight sync; the metrics: losses summed over the workers' shares, the rest averaged.
     sync_rollout_weights(ctx)
-    return meta
+    return StageResult(meta, combine_worker_metrics(results))

@@ -1,37 +1,52 @@
-"""validate: the policy answers the ``data.val_files`` prompts and every reward scores them.
+"""validate: the policy answers a set of prompts and the chosen rewards score them.
 
-``rollout.val_n`` samples per prompt, greedy unless ``rollout.val_temperature`` is set. The
-prompts go through the store like a training step's (partition ``val/step-<N>``, cleared at
-the end): submit → generate → the score stage's ``compute_scores`` (reward functions and the
-reward model, if any). Metrics use verl's names, per data source:
-``val-core/<data_source>/reward/mean@<n>``, and ``val-aux/<data_source>/<name>/mean@<n>`` for
-each reward part (``reward/fn/...``, ``reward_extra/...``, the reward model's score).
+A ``Validation`` names the prompts, the samples per prompt, the sampling temperature and the
+rewards (``tasks.score.stage.Scoring``). The run evaluates two kinds: the user's
+``data.val_files`` (``rollout.val_n`` samples per prompt at ``rollout.val_temperature``, every
+reward of the run) and the built-in task's held-out prompts (one greedy answer each, the rule
+alone). The prompts go through the store like a training step's (partition ``val/step-<N>``,
+cleared at the start and the end): submit → generate → the score stage's ``compute_scores``.
+
+Metrics use verl's names, per data source: ``val-core/<data_source>/reward/mean@<n>`` (the
+weighted total), and ``val-aux/<data_source>/<part>/mean@<n>`` for each reward part that
+scored: ``rm_score``, ``rule``, and ``fn/<name>`` per reward function. When the rule scored,
+``eval/rule_accuracy`` is its mean over every sample.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from dataclasses import dataclass
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.context import StageContext
+from infra.data import PromptRow
+from tasks.context import Metrics, StageContext
 from tasks.generate.stage import generate_partition, submit_prompts
 from tasks.io import read
-from tasks.score.stage import compute_scores
+from tasks.score.stage import Scores, Scoring, compute_scores
 
 VALIDATION_SEED = 0
+
+
+@dataclass(frozen=True)
+class Validation:
+    """One evaluation: ``n`` answers to each of ``rows`` at ``temperature`` (0: greedy), scored
+    by ``scoring``."""
+
+    rows: list[PromptRow]
+    n: int
+    temperature: float
+    scoring: Scoring
 
 
 def partition_id(step: int) -> str:
     return f"val/step-{step:06d}"
 
 
-def per_source_means(
-    sources: list[str], values: list[float], name: str, n: int
-) -> dict[str, float]:
-    """``{f"{prefix}/{source}/{name}/mean@{n}": mean}`` over the samples of each data source."""
+def per_source_means(sources: list[str], values: list[float], name: str, n: int) -> Metrics:
+    """``{f"{source}/{name}/mean@{n}": mean}`` over the samples of each data source."""
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for source, value in zip(sources, values, strict=True):
@@ -40,30 +55,42 @@ def per_source_means(
     return {f"{source}/{name}/mean@{n}": sums[source] / counts[source] for source in sums}
 
 
+def _parts(scores: Scores) -> dict[str, list[float]]:
+    """Each reward part that scored, per sample (see the module docstring)."""
+    parts: dict[str, list[float]] = {}
+    if scores.rm is not None:
+        parts["rm_score"] = scores.rm.tolist()
+    if scores.rule is not None:
+        parts["rule"] = scores.rule.tolist()
+    if scores.functions is not None:
+        from infra.reward_functions import function_names
+
+        names = function_names(list(scores.functions.scores))
+        for name, values in zip(names, scores.functions.scores.values(), strict=True):
+            parts[f"fn/{name}"] = values
+    return parts
+
+
 @task(name="validate", cache_policy=NO_CACHE, task_run_name="validate[step={step}]")
-def validate(ctx: StageContext, rows: list[Any], step: int) -> dict[str, float]:
-    cfg = ctx.cfg
-    n = cfg.rollout.val_n
+def validate(ctx: StageContext, job: Validation, step: int) -> Metrics:
     partition = partition_id(step)
     ctx.store.kv_clear(partition)  # a retried validation starts from nothing
     try:
         # 1. Submit the prompts, 2. generate n answers each, 3. score them.
-        meta = submit_prompts(ctx, partition_id=partition, rows=rows, n=n)
+        meta = submit_prompts(ctx, partition_id=partition, rows=job.rows, n=job.n)
         meta = generate_partition(
-            ctx, meta, seed=VALIDATION_SEED, n=n, temperature=cfg.rollout.val_temperature
+            ctx, meta, seed=VALIDATION_SEED, n=job.n, temperature=job.temperature
         )
-        scores = compute_scores(ctx, meta)
+        scores = compute_scores(ctx, meta, job.scoring)
         # 4. Means per data source.
         sources = [str(s) for s in read(ctx, meta, ("data_source",))["data_source"]]
-        metrics = {
-            f"val-core/{k}": v
-            for k, v in per_source_means(sources, scores.total.tolist(), "reward", n).items()
-        }
-        parts = {"rm_score": scores.rm.tolist()} if scores.rm is not None else {}
-        for name, values in parts.items():
-            metrics.update(
-                {f"val-aux/{k}": v for k, v in per_source_means(sources, values, name, n).items()}
-            )
+        total = per_source_means(sources, scores.total.tolist(), "reward", job.n)
+        metrics = {f"val-core/{k}": v for k, v in total.items()}
+        for name, values in _parts(scores).items():
+            means = per_source_means(sources, values, name, job.n)
+            metrics.update({f"val-aux/{k}": v for k, v in means.items()})
+        if scores.rule is not None:
+            metrics["eval/rule_accuracy"] = float(scores.rule.mean())
         return metrics
     finally:
         ctx.store.kv_clear(partition)

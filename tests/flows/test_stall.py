@@ -19,6 +19,7 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(
 
     from infra.cluster import create_pool
     from infra.group import WorkerGroup
+    from infra.runtime import Runtime
     from infra.workers import WorkerSpec
     from tasks.context import StageContext
     from tasks.score.stage import score
@@ -46,7 +47,8 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(
             "ground_truth": ["3", "3"],
         },
     )
-    ctx = StageContext(cfg=cfg, store=store, tokenizer=None, train_group=group)
+    rt = Runtime(store=store, train_group=group, rollout_group=group)
+    ctx = StageContext(cfg=cfg, rt=rt, tokenizer=None)
     meta = BatchMeta(partition_id=partition, keys=tuple(keys), fields=("prompt_ids",))
 
     @flow(name="stall-probe")

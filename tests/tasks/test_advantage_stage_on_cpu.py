@@ -9,6 +9,7 @@ from infra.config import load_config
 from tasks.advantage.stage import compute
 from tasks.io import nested
 from tasks.kl import AdaptiveKLController
+from tasks.plan import StepPlan
 
 
 def test_a_retried_advantage_leaves_the_kl_controller_unmoved() -> None:
@@ -32,9 +33,11 @@ def test_a_retried_advantage_leaves_the_kl_controller_unmoved() -> None:
         "old_logprobs": nested([torch.full((n,), -1.0) for n in lengths]),
         "ref_logprobs": nested([torch.full((n,), -2.0) for n in lengths]),
     }
-    first, metrics = compute(cfg, data, kl_coef=controller.value)
-    again, _ = compute(cfg, data, kl_coef=controller.value)
+    plan = StepPlan.from_config(cfg)
+    first = compute(cfg, data, plan=plan, kl_coef=controller.value)
+    again = compute(cfg, data, plan=plan, kl_coef=controller.value)
     assert controller.value == 0.1  # not moved by either attempt
     for name in ("token_rewards", "advantages", "returns"):
-        torch.testing.assert_close(first[name], again[name])
-    assert metrics["actor/reward_kl_penalty"] > 0
+        torch.testing.assert_close(first.tensors[name], again.tensors[name])
+    assert first.reward_kl is not None and first.reward_kl > 0  # what the controller moves on
+    assert first.metrics["actor/reward_kl_penalty"] == first.reward_kl

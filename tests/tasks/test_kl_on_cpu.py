@@ -96,7 +96,7 @@ def test_adaptive_controller_hand_worked_and_checkpoint() -> None:
     restored = AdaptiveKLController(0.5, 6.0, 10000)
     restored.load_state_dict(ctrl.state_dict())
     assert restored.value == ctrl.value
-    with pytest.raises(ValueError, match="different kl_ctrl"):
+    with pytest.raises(ValueError, match="different algorithm.kl.adaptive setting"):
         FixedKLController(0.1).load_state_dict(ctrl.state_dict())
     with pytest.raises(ValueError, match="target > 0"):
         AdaptiveKLController(init_coef=0.1, target=0.0, horizon=10)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from infra.config import load_config
+from infra.runtime import Runtime
 from storage import BatchMeta, open_store
 from tasks.context import StageContext
-from tasks.score.stage import score, writes
+from tasks.score.stage import Scoring, score
 
 
 def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
@@ -22,18 +23,14 @@ def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
     store.kv_batch_put(keys, partition, scored)
     # Reward workers that only record what they are asked to score.
     workers = AskedToScore()
-    ctx = StageContext(
-        cfg=load_config(None, ["store.get_timeout_s=0.1"]),
-        store=store,
-        tokenizer=None,
-        train_group=None,
-        reward_group=workers,
-    )
+    rt = Runtime(store=store, train_group=workers, rollout_group=workers, reward_group=workers)
+    ctx = StageContext(cfg=load_config(None, ["store.get_timeout_s=0.1"]), rt=rt, tokenizer=None)
     meta = BatchMeta(partition_id=partition, keys=tuple(keys), fields=())
     out = score.fn(ctx, meta, 3)
-    assert writes(ctx) == ("scores", "rm_scores", "rule_scores")
-    assert set(writes(ctx)) <= set(out.fields)
-    assert not ctx.metrics and not workers.asked  # nothing recomputed, nothing recorded
+    writes = Scoring.for_training(ctx).writes
+    assert writes == ("scores", "rm_scores", "rule_scores")
+    assert set(writes) <= set(out.meta.fields)
+    assert not out.metrics and not workers.asked  # nothing recomputed, nothing recorded
     # One key without scores: the whole batch goes to the reward workers again.
     partial = BatchMeta(partition_id=partition, keys=(*keys, "u2/0"), fields=())
     with pytest.raises(LookupError, match="asked to score"):
