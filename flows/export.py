@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from flows.checkpoint import checkpoint_dir, latest_checkpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["ExportError", "export_policy"]
 
@@ -44,19 +47,24 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
     return path
 
 
-def _skeleton(actor_dir: Path, adapter_dir: Path | None) -> Any:
+def _skeleton(actor_dir: Path, adapter_dir: Path | None) -> PreTrainedModel:
     """The trained module's shape, empty-initialised: the policy model (wrapped with its LoRA
     adapter when the run had one), float32 like the sharded state."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(actor_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        config, dtype=torch.float32
+    )
     if adapter_dir is None:
         return model
     from peft import PeftConfig, get_peft_model
 
-    return get_peft_model(model, PeftConfig.from_pretrained(str(adapter_dir)))
+    peft_model: PreTrainedModel = get_peft_model(
+        model, PeftConfig.from_pretrained(str(adapter_dir))
+    )
+    return peft_model
 
 
 def export_policy(
@@ -88,7 +96,7 @@ def export_policy(
     if adapter_only:
         save_adapter(model, out)
         return out
-    plain = merged_model(model) if lora else model
+    plain = cast("PreTrainedModel", merged_model(model)) if lora else model
     plain.to(_folder_dtype(actor_dir))
     plain.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(actor_dir).save_pretrained(out)

@@ -14,9 +14,15 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from infra.config import ConfigError, TrainConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from flows.reward_model import ResolvedModels
+    from infra.data import PromptDataset, PromptRow, RenderedPrompts
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -67,12 +73,14 @@ class Datasets:
     """The training prompts, the validation prompts (None: no validation) and what rendering
     them dropped or truncated."""
 
-    train: Any
-    val: Any | None
+    train: PromptDataset
+    val: list[PromptRow] | None
     notes: dict[str, float]
 
 
-def _rendered(cfg: TrainConfig, files: list[Path], tokenizer: Any, setting: str) -> Any:
+def _rendered(
+    cfg: TrainConfig, files: list[Path], tokenizer: PreTrainedTokenizerBase, setting: str
+) -> RenderedPrompts:
     from infra.data import read_rl_rows, render_prompts
 
     rows = read_rl_rows(files, cfg.data, setting=setting)
@@ -85,7 +93,19 @@ def _rendered(cfg: TrainConfig, files: list[Path], tokenizer: Any, setting: str)
     )
 
 
-def load_datasets(cfg: TrainConfig, models: Any, tokenizer: Any) -> Datasets:
+def _builtin_file(path: str | None) -> Path:
+    """A prompt file of the built-in task (``ResolvedModels``: its assets were built)."""
+    if path is None:
+        raise InputError(
+            "the built-in task's prompt files were not built: leave data.train_files unset "
+            "and models.policy unset, or give data.train_files"
+        )
+    return Path(path)
+
+
+def load_datasets(
+    cfg: TrainConfig, models: ResolvedModels, tokenizer: PreTrainedTokenizerBase
+) -> Datasets:
     """The run's prompt datasets, a user's prompts rendered to token ids (see the module
     docstring)."""
     from infra.data import PromptDataset, read_prompt_rows
@@ -94,7 +114,7 @@ def load_datasets(cfg: TrainConfig, models: Any, tokenizer: Any) -> Datasets:
     if data.builtin:
         # The built-in addition task's prompts are a few tokens long: each step renders its own
         # (``tasks.generate.stage.row_prompt_ids``); the held-out ones are ``heldout_rows``.
-        rows = read_prompt_rows(Path(models.train_data))
+        rows = read_prompt_rows(_builtin_file(models.train_data))
         train_set = PromptDataset.from_rows(
             rows, seed=cfg.seed, shuffle=data.shuffle, name="addition"
         )
@@ -113,11 +133,11 @@ def load_datasets(cfg: TrainConfig, models: Any, tokenizer: Any) -> Datasets:
     val = None
     if data.val_files:
         rendered = _rendered(cfg, data.val_files, tokenizer, "data.val_files")
-        rows = rendered.rows[: data.val_max_samples] if data.val_max_samples else rendered.rows
-        val = rows
+        kept = rendered.rows[: data.val_max_samples] if data.val_max_samples else rendered.rows
+        val = list(kept)
         notes.update(
             {
-                "data/val_prompts": float(len(rows)),
+                "data/val_prompts": float(len(val)),
                 "data/val_truncated": float(rendered.truncated),
                 "data/val_dropped": float(rendered.dropped),
             }
@@ -131,11 +151,13 @@ def load_datasets(cfg: TrainConfig, models: Any, tokenizer: Any) -> Datasets:
     )
 
 
-def heldout_rows(cfg: TrainConfig, models: Any, tokenizer: Any) -> list[Any]:
+def heldout_rows(
+    cfg: TrainConfig, models: ResolvedModels, tokenizer: PreTrainedTokenizerBase
+) -> list[PromptRow]:
     """The built-in task's held-out prompts for the rule accuracy (first ``trainer.eval_prompts``)."""
     from infra.data import read_prompt_rows, render_prompts
 
-    rows = read_prompt_rows(Path(models.heldout_data))[: cfg.trainer.eval_prompts]
+    rows = read_prompt_rows(_builtin_file(models.heldout_data))[: cfg.trainer.eval_prompts]
     return list(
         render_prompts(
             rows,

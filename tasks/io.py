@@ -19,7 +19,8 @@ from tasks.context import StageContext
 
 def lengths(jagged: Tensor) -> Tensor:
     """Row lengths (B,) int64 of a nested tensor."""
-    return jagged.offsets().diff().to(torch.int64)
+    offsets: Tensor = jagged.offsets()  # type: ignore[attr-defined]  # nested tensors have offsets
+    return offsets.diff().to(torch.int64)
 
 
 def rows(jagged: Tensor) -> list[Tensor]:

@@ -9,7 +9,7 @@ retried task regenerates identical rows and its puts are no-ops.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from prefect import task
@@ -23,6 +23,8 @@ from tasks.io import nested, rows, write
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
 
 READS = ("prompt_ids",)
 WRITES = ("response_ids", "rollout_logprobs", "group_ids", "rollout_version")
@@ -53,7 +55,7 @@ def submit_prompts(
     keys = sample_keys([row.uid for row in rows], n)
     meta = BatchMeta(partition_id=partition_id, keys=tuple(keys), fields=())
 
-    def each(values: list[Any]) -> list[Any]:
+    def each(values: list[T]) -> list[T]:
         return [v for v in values for _ in range(n)]
 
     return write(
