@@ -26,6 +26,9 @@ Mode = Literal["sync", "colocate_async", "separate_async"]
 Strategy = Literal["fsdp2", "none"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLKind = Literal["k1", "abs", "k2", "k3"]
+# The built-in addition task's prompt in tokens of its own character tokenizer, the same for
+# every operand pair (10..99): <bos> <|user|> a a + b b = <|assistant|>.
+BUILTIN_PROMPT_TOKENS = 9
 
 
 class ConfigError(ValueError):
@@ -589,7 +592,33 @@ class TrainConfig(_Section):
                     f"{role}.strategy='none' trains on one worker but resources.num_workers={workers}: "
                     f"set {role}.strategy=fsdp2 or resources.num_workers=1"
                 )
-        longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+        if self.batch_size % self.resources.num_workers:
+            raise ValueError(
+                f"rollout.prompts_per_step * rollout.n = {self.batch_size} must be divisible by "
+                f"resources.num_workers={self.resources.num_workers}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_store(self) -> TrainConfig:
+        url = self.store.url
+        if url.startswith("memory://"):
+            raise ConfigError(
+                f"store.url={url!r} is an in-process store, but the workers read and write the "
+                "store from their own processes: set store.url to ray://NAME?shards=N (the "
+                "default is ray://ppoflow?shards=1)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_token_budgets(self) -> TrainConfig:
+        """Every token budget holds the longest sample the run can see (``longest_prompt``)."""
+        prompt, lower = (
+            (f"the built-in task's prompt, {BUILTIN_PROMPT_TOKENS} tokens,", "")
+            if self.builtin_prompts
+            else ("data.max_prompt_length", "data.max_prompt_length or ")
+        )
+        longest = self.longest_prompt + self.rollout.max_new_tokens
         for key, budget in (
             ("actor", self.actor.max_tokens_per_micro_batch),
             ("critic", self.critic.max_tokens_per_micro_batch),
@@ -597,16 +626,12 @@ class TrainConfig(_Section):
             ("ref", self.ref.max_tokens_per_micro_batch),
         ):
             if budget is not None and budget < longest:
-                raise ValueError(
+                raise ConfigError(
                     f"{key}.max_tokens_per_micro_batch={budget} is below the longest sample "
-                    f"(data.max_prompt_length + rollout.max_new_tokens = {longest}): raise it to "
-                    f"at least {longest}"
+                    f"({prompt} + rollout.max_new_tokens = {longest}): set "
+                    f"{key}.max_tokens_per_micro_batch to at least {longest} or lower "
+                    f"{lower}rollout.max_new_tokens"
                 )
-        if self.batch_size % self.resources.num_workers:
-            raise ValueError(
-                f"rollout.prompts_per_step * rollout.n = {self.batch_size} must be divisible by "
-                f"resources.num_workers={self.resources.num_workers}"
-            )
         return self
 
     @property
@@ -644,6 +669,20 @@ class TrainConfig(_Section):
             rows = self.ref.micro_batch_size or self.logprobs_micro_batch_size
             return rows, self.ref.max_tokens_per_micro_batch or self.logprobs_max_tokens
         return self.logprobs_micro_batch_size, self.logprobs_max_tokens
+
+    @property
+    def builtin_prompts(self) -> bool:
+        """The prompts are the built-in task's rendered by its own tokenizer (no user policy or
+        tokenizer), each ``BUILTIN_PROMPT_TOKENS`` long."""
+        own_tokenizer = self.models.policy is None and self.models.tokenizer is None
+        return self.data.builtin and own_tokenizer
+
+    @property
+    def longest_prompt(self) -> int:
+        """The longest prompt the run can see, in tokens: ``BUILTIN_PROMPT_TOKENS`` for the
+        built-in prompts, else ``data.max_prompt_length`` (a user's files, whose longer prompts
+        ``data.truncation`` handles, or the built-in prompts in a user's chat template)."""
+        return BUILTIN_PROMPT_TOKENS if self.builtin_prompts else self.data.max_prompt_length
 
     @property
     def batch_size(self) -> int:
