@@ -636,19 +636,19 @@ def train_reward_model(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Build the tiny assets under ROOT, warm-start the policy and train the reward model with
-    the main job's budgets (``TrainConfig().warmstart``)."""
+    the main job's budgets (the default config's ``warmstart``)."""
     import argparse
     import json
 
     from infra.assets import build_tiny_assets
-    from infra.config import TrainConfig
+    from infra.config import load_config
 
     parser = argparse.ArgumentParser(prog="python -m infra.pretrain", description=main.__doc__)
     parser.add_argument("root", type=Path, help="folder for assets/, sft/ and reward_model/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     assets = build_tiny_assets(args.root / "assets", seed=args.seed)
-    warmstart = TrainConfig().warmstart
+    warmstart = load_config().warmstart
     sft = sft_warmstart(
         policy_path=assets.policy,
         tokenizer_path=assets.tokenizer,
