@@ -1,9 +1,11 @@
 """``ppoflow``: the command line.
 
 ppoflow train [--config configs/grpo.yaml] [key=value ...]   # the training flow (embedded default without args)
+ppoflow config [--config configs/grpo.yaml] [key=value ...]  # the resolved config the run would use, as YAML
 ppoflow plot RUN_DIR                                          # reward/KL curves → RUN_DIR/curves.png
 ppoflow deploy [--prefect-yaml PATH]                          # register deployments with a Prefect server
 ppoflow serve [--name NAME ...]                               # serve deployments without a work pool
+ppoflow export RUN_DIR [--step N] --out DIR [--adapter-only]  # a checkpoint's policy as one HF folder
 ppoflow data addition --out DIR                               # the built-in prompts in verl's parquet layout
 
 A bad setting, a missing file or folder, a prompt longer than ``data.max_prompt_length`` (with
@@ -23,6 +25,10 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infra.config import TrainConfig
 
 EVENTS_DRAIN_S = 10.0
 
@@ -46,14 +52,12 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _preflight(cfg: object) -> None:
+def _preflight(cfg: TrainConfig) -> None:
     """What the flow checks first, done before Prefect and Ray start: inputs, and the prompts of
     a user's dataset rendered with a user's tokenizer (the built-in task's come with its assets)."""
     from flows.inputs import check_inputs, load_datasets
     from flows.reward_model import resolve_models
-    from infra.config import TrainConfig
 
-    assert isinstance(cfg, TrainConfig)
     check_inputs(cfg)
     if cfg.data.builtin or cfg.models.policy is None:
         return
@@ -61,6 +65,21 @@ def _preflight(cfg: object) -> None:
 
     models = resolve_models(cfg, None)
     load_datasets(cfg, models, AutoTokenizer.from_pretrained(models.tokenizer))
+
+
+def _config(args: argparse.Namespace) -> int:
+    """Print the resolved config (file, then overrides, validated) as YAML."""
+    import yaml
+
+    from infra.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"ppoflow: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -109,14 +128,11 @@ def _api_lost(exc: BaseException) -> bool:
     return False
 
 
-def _report_unrecorded(cfg: object, exc: BaseException) -> None:
+def _report_unrecorded(cfg: TrainConfig, exc: BaseException) -> None:
     """The run's files are what it did: name its latest checkpoint and how to go on."""
     from prefect.settings import PREFECT_API_URL
 
     from flows.checkpoint import latest_checkpoint
-    from infra.config import TrainConfig
-
-    assert isinstance(cfg, TrainConfig)
 
     latest = latest_checkpoint(cfg.resolved_run_dir)
     where = f"its latest checkpoint is {latest}" if latest else "it wrote no checkpoint"
@@ -191,13 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run the training flow")
-    train.add_argument(
-        "--config", type=Path, default=None, help="YAML config (default: the embedded main job)"
-    )
-    train.add_argument(
-        "overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=20"
-    )
-    train.set_defaults(fn=_train)
+    config = sub.add_parser("config", help="print the resolved config the run would use (YAML)")
+    for command, fn in ((train, _train), (config, _config)):
+        command.add_argument(
+            "--config",
+            type=Path,
+            default=None,
+            help="YAML config or preset name (default: the embedded main job)",
+        )
+        command.add_argument(
+            "overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=20"
+        )
+        command.set_defaults(fn=fn)
     plot = sub.add_parser("plot", help="plot reward and KL curves of a run")
     plot.add_argument("run_dir")
     plot.set_defaults(fn=_plot)
