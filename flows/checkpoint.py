@@ -100,12 +100,12 @@ def restore(path: Path, *, ctx: StageContext, data: DataCursor) -> Restored:
     from tasks.update.stage import sync_rollout_weights
 
     state = read_state(path)
-    version = min(ctx.train_group.call(ModelWorker.load_checkpoint, str(path / "workers")))
+    version = min(ctx.rt.train_group.call(ModelWorker.load_checkpoint, str(path / "workers")))
     sync_rollout_weights(ctx)
     data.load_state_dict(state["data"])
     ctx.kl.load_state_dict(state["kl"])
     if state["partitions"]:
-        ctx.store.load(path / "store")
+        ctx.rt.store.load(path / "store")
     submitted = {int(s): BatchMeta.from_json(m) for s, m in state["submitted"].items()}
     return Restored(path, int(state["step"]), version, submitted)
 
@@ -131,8 +131,8 @@ def checkpoint_run(
         run_dir,
         step,
         state=state,
-        save_workers=lambda path: ctx.train_group.call(ModelWorker.save_checkpoint, path),
-        store=ctx.store,
+        save_workers=lambda path: ctx.rt.train_group.call(ModelWorker.save_checkpoint, path),
+        store=ctx.rt.store,
         partitions=[m.partition_id for m in pending.values()],
         keep=keep,
         midway=midway,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from infra.data import PromptRow
 from tasks.context import Metrics, StageContext
-from tasks.score.stage import Scoring
+from tasks.plan import Scoring
 from tasks.validate.stage import Validation
 
 Validate = Callable[[StageContext, Validation, int], Metrics]
@@ -40,7 +40,7 @@ class Evaluator:
                 rows=val_rows,
                 n=rollout.val_n,
                 temperature=rollout.val_temperature,
-                scoring=Scoring.for_training(ctx),
+                scoring=ctx.plan.scoring,
             )
         elif heldout:
             rule = Scoring.rule_only(ctx.cfg.reward.rule)

@@ -66,7 +66,7 @@ class RolloutProducer:
     def wait(self, step: int) -> StageResult:
         """The step's generated and scored partition and its metrics, once produced. A producer failure is
         raised at once; no rows within ``store.get_timeout_s`` is a TimeoutError naming the step."""
-        timeout = self.ctx.get_timeout
+        timeout = self.ctx.cfg.store.get_timeout_s
         deadline = time.monotonic() + timeout
         with self.lock:
             while step not in self.produced:

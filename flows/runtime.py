@@ -55,19 +55,6 @@ def _spec(
     )
 
 
-def check_store_url(url: str) -> None:
-    """The workers run in Ray actor processes and read and write the store themselves, so a
-    training run needs a store they can reach."""
-    from infra.config import ConfigError
-
-    if url.startswith("memory://"):
-        raise ConfigError(
-            f"store.url={url!r} is an in-process store, but the workers read and write the store "
-            "from their own processes: set store.url to ray://NAME?shards=N (the default is "
-            "ray://ppoflow?shards=1)"
-        )
-
-
 def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
     """Start/attach Ray, reserve pools, start workers (all asleep), open the store."""
     from storage import open_store
@@ -81,7 +68,6 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
         + (res.rollout_workers * rollout_devices if separate else 0)
         + (1 if own_reward else 0)
     )
-    check_store_url(cfg.store.url)
     started = ensure_ray(res, pools_devices=devices)
     timeout = cfg.orchestration.call_timeout_s
     pools: list[ResourcePool] = []

@@ -647,12 +647,20 @@ class TrainConfig(_Section):
             return True
         return self.warm_start and self.reward.model_weight != 0
 
-    def strategy(self, role: Literal["actor", "critic"]) -> Strategy:
-        """The training engine of ``role`` (``<role>.strategy``, resolved)."""
-        chosen = getattr(self, role).strategy
-        if chosen is not None:
-            return chosen  # type: ignore[no-any-return]
-        return "fsdp2" if self.resources.num_workers > 1 else "none"
+    def strategy(self, role: Literal["actor", "critic"], world_size: int | None = None) -> Strategy:
+        """The training engine of ``role`` on ``world_size`` data-parallel workers (default:
+        ``resources.num_workers``): ``<role>.strategy``, else ``fsdp2`` with more than one
+        worker. The one place a strategy is resolved (workers, groups and tools ask here)."""
+        world = self.resources.num_workers if world_size is None else world_size
+        chosen: Strategy | None = getattr(self, role).strategy
+        if chosen is None:
+            return "fsdp2" if world > 1 else "none"
+        if chosen == "none" and world > 1:
+            raise ConfigError(
+                f"{role}.strategy='none' trains on one worker but the pool has {world}: "
+                f"set {role}.strategy=fsdp2"
+            )
+        return chosen
 
     @property
     def logprobs_micro_batch_size(self) -> int:
@@ -688,24 +696,6 @@ class TrainConfig(_Section):
     def batch_size(self) -> int:
         """Samples per iteration."""
         return self.rollout.prompts_per_step * self.rollout.n
-
-    @property
-    def old_logprobs_field(self) -> str | None:
-        """The stored field the update takes as old log-probs (see ``algorithm.old_logprobs``):
-        ``old_logprobs`` (recomputed by the logprobs stage), ``rollout_logprobs`` (the rollout
-        engine's), or None (the update's own first forward pass, detached)."""
-        if self.algorithm.old_logprobs == "rollout":
-            return "rollout_logprobs"
-        one_step = self.actor.ppo_epochs == 1 and self.actor.mini_batch_size >= self.batch_size
-        on_policy = self.resources.mode == "sync" and one_step
-        if self.algorithm.old_logprobs == "recompute" or self.algorithm.kl.in_reward:
-            return "old_logprobs"
-        return None if on_policy else "old_logprobs"
-
-    @property
-    def recompute_old_logprobs(self) -> bool:
-        """Whether the logprobs stage computes ``old_logprobs`` (see ``algorithm.old_logprobs``)."""
-        return self.old_logprobs_field == "old_logprobs"
 
     @property
     def resolved_run_dir(self) -> Path:

@@ -25,14 +25,13 @@ from infra.config import TrainConfig
 from infra.faults import FaultPlan
 from infra.group import WorkerGroup
 from infra.runtime import Runtime
-from storage import BatchMeta, Store
+from storage import BatchMeta
 from tasks.kl import AdaptiveKLController, FixedKLController
 from tasks.plan import StepPlan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from infra.reward_functions import RewardFunctionPool
 
 KLController = FixedKLController | AdaptiveKLController
 Metrics = dict[str, float]
@@ -61,37 +60,11 @@ class StageContext:
         faults: FaultPlan | None = None,
     ) -> None:
         self.cfg = cfg
-        self.rt = rt
+        self.rt = rt  # the store, the worker groups, the reward-function pool
         self.tokenizer = tokenizer  # the policy's (None: a context that submits no prompts)
         self.plan = plan if plan is not None else StepPlan.from_config(cfg)
         self.kl = kl if kl is not None else kl_controller(cfg)
         self.faults = faults if faults is not None else FaultPlan([], None)
-
-    @property
-    def store(self) -> Store:
-        return self.rt.store
-
-    @property
-    def train_group(self) -> WorkerGroup:
-        return self.rt.train_group
-
-    @property
-    def rollout_group(self) -> WorkerGroup:
-        return self.rt.rollout_group
-
-    @property
-    def reward_group(self) -> WorkerGroup | None:
-        """The reward model's workers (None: no reward model in this run)."""
-        return self.rt.reward_group
-
-    @property
-    def reward_pool(self) -> RewardFunctionPool | None:
-        """The reward functions' processes (None: no reward functions)."""
-        return self.rt.reward_pool
-
-    @property
-    def get_timeout(self) -> float:
-        return self.cfg.store.get_timeout_s
 
 
 @dataclass(frozen=True)
@@ -121,7 +94,7 @@ def faults_at(
                 from prefect.runtime import task_run
 
                 attempt = max(int(task_run.run_count or 1), 1)
-                ctx.faults.strike_due(stage, step, attempt, store=ctx.store, group=group(ctx))
+                ctx.faults.strike_due(stage, step, attempt, store=ctx.rt.store, group=group(ctx))
             return fn(ctx, inp, step)
 
         return run

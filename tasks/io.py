@@ -58,11 +58,13 @@ def from_padded(batch: Tensor, row_lengths: Tensor) -> Tensor:
 def read(ctx: StageContext, meta: BatchMeta, fields: tuple[str, ...]) -> dict[str, Any]:
     """The flow process's own read of ``fields`` (what it alone computes on: prompts it puts,
     reward-function inputs); waits up to ``store.get_timeout_s``."""
-    fields_read: dict[str, Any] = ctx.store.get_fields(meta, fields, timeout=ctx.get_timeout)
+    fields_read: dict[str, Any] = ctx.rt.store.get_fields(
+        meta, fields, timeout=ctx.cfg.store.get_timeout_s
+    )
     return fields_read
 
 
 def write(ctx: StageContext, meta: BatchMeta, fields: dict[str, Any]) -> BatchMeta:
     """Put ``fields`` for ``meta.keys`` from the flow process; returns the widened handle."""
-    ctx.store.kv_batch_put(list(meta.keys), meta.partition_id, fields)
+    ctx.rt.store.kv_batch_put(list(meta.keys), meta.partition_id, fields)
     return meta.with_fields(*fields)

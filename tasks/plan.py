@@ -1,17 +1,22 @@
-"""The step plan: which log-prob passes a training step runs and which stored field plays which
-part, decided once from the config and handed to the stages.
+"""The step plan: which rewards score a batch, which log-prob passes a training step runs and
+which stored field plays which part — decided once from the config (``StepPlan.from_config``)
+and handed to the stages.
 
+- ``scoring``: the rewards of a training batch and their weights (``Scoring``).
 - ``old_logprobs``: the stored field the update clips its ratio against (π_old), or None when
   the update takes the detached log-probs of its own first forward pass (one on-policy optimizer
   step per batch: ``algorithm.old_logprobs: auto``, mode ``sync``, one PPO epoch, one
   mini-batch, no KL in the reward — the weights have not moved yet, so they are the same
   numbers). ``old_logprobs`` is recomputed by the logprobs stage; ``rollout_logprobs`` is the
   rollout engine's (``algorithm.old_logprobs: rollout``).
-- ``reference``: the logprobs stage computes ``ref_logprobs`` (a KL in the reward, a KL loss, or
-  ``algorithm.kl.monitor``).
-- ``critic``: the logprobs stage computes ``values`` and the update trains the critic (GAE).
+- ``forward_passes``: what the logprobs stage computes — the actor's ``old_logprobs`` when the
+  update clips against them; the reference's ``ref_logprobs`` when the run holds a reference (a
+  KL in the reward, a KL loss, or ``algorithm.kl.monitor``); the critic's ``values`` (GAE).
+  Empty: the stage does not run.
 - ``kl_to_ref_at``: where ``actor/kl_to_ref`` is measured — the advantage stage when it reads
   stored policy log-probs, else the update from its own first forward pass.
+- ``advantage_reads`` and ``update_fields``: what those two stages read (the update takes the
+  policy's log-probs field under the name ``old_logprobs``).
 """
 
 from __future__ import annotations
@@ -25,68 +30,96 @@ PolicyLogprobs = Literal["old_logprobs", "rollout_logprobs"]
 ForwardPass = Literal["old_logprobs", "ref_logprobs", "values"]
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """Which rewards score a batch, and their weights in the per-sample total."""
+
+    model_weight: float | None  # the reward model's (None: not scored by it)
+    functions: bool  # the reward functions (``reward.functions``, their own weights)
+    rule: str | None  # a ``tasks.rewards.RULES`` name (None: no rule)
+    rule_weight: float
+
+    @classmethod
+    def for_training(cls, cfg: TrainConfig) -> Scoring:
+        """The run's rewards (``reward.*``); the rule is computed as the built-in task's honest
+        metric even at weight 0."""
+        reward = cfg.reward
+        uses_rule = cfg.data.builtin or reward.rule_weight != 0
+        return cls(
+            model_weight=reward.model_weight if cfg.uses_reward_model else None,
+            functions=bool(reward.functions),
+            rule=reward.rule if uses_rule else None,
+            rule_weight=reward.rule_weight,
+        )
+
+    @classmethod
+    def rule_only(cls, rule: str) -> Scoring:
+        """The rule alone, at weight 1 (the built-in task's held-out accuracy)."""
+        return cls(model_weight=None, functions=False, rule=rule, rule_weight=1.0)
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        """The fields scoring a training batch writes."""
+        return (
+            ("scores",)
+            + (("rm_scores",) if self.model_weight is not None else ())
+            + (("rule_scores",) if self.rule else ())
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepPlan:
-    """See the module docstring."""
+    """See the module docstring; every field is computed once, by ``from_config``."""
 
+    scoring: Scoring
     old_logprobs: PolicyLogprobs | None
-    reference: bool
     critic: bool
     kl_in_reward: bool
     kl_loss: bool
+    forward_passes: tuple[ForwardPass, ...]
+    kl_to_ref_at: Literal["advantage", "update"] | None
+    advantage_reads: tuple[str, ...]
+    update_fields: dict[str, str]
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> StepPlan:
         algo = cfg.algorithm
-        return cls(
-            old_logprobs=_old_logprobs(cfg),
-            reference=algo.use_reference,
-            critic=algo.use_critic,
-            kl_in_reward=algo.kl.in_reward,
-            kl_loss=algo.kl.loss_coef > 0,
-        )
-
-    @property
-    def forward_passes(self) -> tuple[ForwardPass, ...]:
-        """What the logprobs stage computes and writes (empty: the stage does not run)."""
+        old = _old_logprobs(cfg)
+        reference, critic, kl_loss = algo.use_reference, algo.use_critic, algo.kl.loss_coef > 0
+        # 1. The logprobs stage's passes.
         passes: list[ForwardPass] = []
-        if self.old_logprobs == "old_logprobs":
+        if old == "old_logprobs":
             passes.append("old_logprobs")
-        if self.reference:
+        if reference:
             passes.append("ref_logprobs")
-        if self.critic:
+        if critic:
             passes.append("values")
-        return tuple(passes)
-
-    @property
-    def kl_to_ref_at(self) -> Literal["advantage", "update"] | None:
-        """The stage that measures ``actor/kl_to_ref`` (None: no reference, no measure)."""
-        if not self.reference:
-            return None
-        return "advantage" if self.old_logprobs is not None else "update"
-
-    @property
-    def advantage_reads(self) -> tuple[str, ...]:
-        """The fields the advantage stage reads."""
-        policy: tuple[str, ...] = ()
-        if self.kl_to_ref_at == "advantage" and self.old_logprobs is not None:
-            policy = (self.old_logprobs, "ref_logprobs")
-        return (
-            ("response_ids", "scores", "group_ids") + policy + (("values",) if self.critic else ())
+        # 2. Where actor/kl_to_ref is measured, and what the advantage stage reads for it.
+        kl_at: Literal["advantage", "update"] | None = None
+        if reference:
+            kl_at = "advantage" if old is not None else "update"
+        policy = (old, "ref_logprobs") if kl_at == "advantage" and old is not None else ()
+        # 3. The update's fields: stored name → the name it takes them under.
+        update: dict[str, str] = {"advantages": "advantages"}
+        if old is not None:
+            update[old] = "old_logprobs"
+        if kl_loss or kl_at == "update":
+            update["ref_logprobs"] = "ref_logprobs"
+        if critic:
+            update.update(values="values", returns="returns")
+        return cls(
+            scoring=Scoring.for_training(cfg),
+            old_logprobs=old,
+            critic=critic,
+            kl_in_reward=algo.kl.in_reward,
+            kl_loss=kl_loss,
+            forward_passes=tuple(passes),
+            kl_to_ref_at=kl_at,
+            advantage_reads=("response_ids", "scores", "group_ids")
+            + policy
+            + (("values",) if critic else ()),
+            update_fields=update,
         )
-
-    @property
-    def update_fields(self) -> dict[str, str]:
-        """The stored fields the update reads (besides prompts and responses) → the names the
-        update takes them under: the policy's log-probs field as ``old_logprobs``."""
-        names: dict[str, str] = {"advantages": "advantages"}
-        if self.old_logprobs is not None:
-            names[self.old_logprobs] = "old_logprobs"
-        if self.kl_loss or self.kl_to_ref_at == "update":
-            names["ref_logprobs"] = "ref_logprobs"
-        if self.critic:
-            names.update(values="values", returns="returns")
-        return names
 
 
 def _old_logprobs(cfg: TrainConfig) -> PolicyLogprobs | None:

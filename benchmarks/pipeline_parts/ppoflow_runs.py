@@ -220,7 +220,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
     from tasks.advantage.stage import advantage_rows
     from tasks.generate.stage import generate_rows, generation_seed, submit_prompts
     from tasks.logprobs.stage import forward_rows
-    from tasks.score.stage import score_rows, uses_rule
+    from tasks.score.stage import score_rows
     from tasks.update.stage import actor_settings, critic_settings, update_rows
 
     cfg, n, t = ctx.cfg, ctx.cfg.rollout.n, {}
@@ -234,14 +234,14 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
         prompts = type(meta)(partition, meta.keys[::n])
         worker.run(generate_rows, prompts, n=n, seed=generation_seed(cfg.seed, step), first_group=0)
     with timed(t, "score"):
-        rule = cfg.reward.rule if uses_rule(cfg) else None
+        rule = ctx.plan.scoring.rule
         part = worker.run(score_rows, meta, rule=rule, texts=False)
         scores = torch.zeros(len(meta.keys))
         if part.rm is not None:
             scores += cfg.reward.model_weight * torch.tensor(part.rm)
         if part.rule is not None:
             scores += cfg.reward.rule_weight * torch.tensor(part.rule)
-        ctx.store.kv_batch_put(list(meta.keys), partition, {"scores": scores})
+        ctx.rt.store.kv_batch_put(list(meta.keys), partition, {"scores": scores})
     with timed(t, "logprobs"):
         needed = ctx.plan.forward_passes  # none: one on-policy step, no reference or critic
         if needed:
@@ -257,7 +257,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
             actor=actor_settings(cfg, 1),
             critic=critic_settings(cfg, 1) if ctx.plan.critic else None,
         )
-    ctx.store.kv_clear(partition)
+    ctx.rt.store.kv_clear(partition)
     t["timing_s/step"] = time.perf_counter() - start
     t["perf/total_num_tokens"] = float(sum(part.response_lengths))
     return t

@@ -110,7 +110,7 @@ def advantage_rows(
 
 
 @task(name="advantage", cache_policy=NO_CACHE, task_run_name="advantage[step={step}]")
-@faults_at("advantage", lambda ctx: ctx.train_group)
+@faults_at("advantage", lambda ctx: ctx.rt.train_group)
 def advantage(ctx: StageContext, meta: BatchMeta, step: int) -> AdvantageResult:
-    out = ctx.train_group.run_on(0, advantage_rows, meta, plan=ctx.plan, kl_coef=ctx.kl.value)
+    out = ctx.rt.train_group.run_on(0, advantage_rows, meta, plan=ctx.plan, kl_coef=ctx.kl.value)
     return AdvantageResult(meta.with_fields(*WRITES), out.metrics, reward_kl=out.reward_kl)

@@ -131,11 +131,11 @@ def generate_partition(
     ``n``/``temperature`` are given, as validation does); returns the widened handle."""
     n = ctx.cfg.rollout.n if n is None else n
     prompts = BatchMeta(meta.partition_id, meta.keys[::n], ())  # first sample of each group
-    shards = [s for s in prompts.shards(ctx.rollout_group.size) if s.keys]
+    shards = [s for s in prompts.shards(ctx.rt.rollout_group.size) if s.keys]
     starts = [0]
     for shard in shards[:-1]:
         starts.append(starts[-1] + len(shard.keys))
-    ctx.rollout_group.run_each(
+    ctx.rt.rollout_group.run_each(
         generate_rows,
         [
             {
@@ -152,12 +152,12 @@ def generate_partition(
 
 
 @task(name="generate", cache_policy=NO_CACHE, task_run_name="generate[step={step}]")
-@faults_at("generate", lambda ctx: ctx.rollout_group)
+@faults_at("generate", lambda ctx: ctx.rt.rollout_group)
 def generate(ctx: StageContext, metas: list[BatchMeta], step: int) -> list[BatchMeta]:
     """Generate responses for each submitted partition in ``metas`` (several when generating ahead)."""
     out = []
     for offset, meta in enumerate(metas):
-        done = ctx.store.kv_list(meta.partition_id)
+        done = ctx.rt.store.kv_list(meta.partition_id)
         if all("response_ids" in done.get(k, ()) for k in meta.keys):
             out.append(meta.with_fields(*WRITES))  # produced ahead of time (colocate_async)
             continue

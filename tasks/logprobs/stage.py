@@ -185,10 +185,10 @@ def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[ForwardP
 
 
 @task(name="logprobs", cache_policy=NO_CACHE, task_run_name="logprobs[step={step}]")
-@faults_at("logprobs", lambda ctx: ctx.train_group)
+@faults_at("logprobs", lambda ctx: ctx.rt.train_group)
 def logprobs(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     names = ctx.plan.forward_passes
     # Every training worker takes part (equal shards: the batch divides by the worker count), as
     # sharded models' forward passes are collectives.
-    ctx.train_group.run_sharded(forward_rows, meta, names=names)
+    ctx.rt.train_group.run_sharded(forward_rows, meta, names=names)
     return meta.with_fields(*names)

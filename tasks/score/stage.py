@@ -34,12 +34,12 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.config import TrainConfig
 from infra.group import WorkerGroup
 from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.io import lengths, nested, read, rows, write
+from tasks.plan import Scoring
 from tasks.rewards import RULES
 from tasks.score.core import assemble_rm_scores, find_nonfinite, score_metrics
 
@@ -52,47 +52,6 @@ FUNCTION_READS = ("ground_truth", "data_source", "extra_info")  # in the flow pr
 
 class NonFiniteScoreError(ValueError):
     """The reward model returned NaN or inf; nothing was written for the batch."""
-
-
-def uses_rule(cfg: TrainConfig) -> bool:
-    """The rule reward is computed on the built-in task (its honest metric) or when weighted."""
-    return cfg.data.builtin or cfg.reward.rule_weight != 0
-
-
-@dataclass(frozen=True)
-class Scoring:
-    """Which rewards score a batch, and their weights in the per-sample total."""
-
-    model_weight: float | None  # the reward model's (None: not scored by it)
-    functions: bool  # the reward functions (``reward.functions``, their own weights)
-    rule: str | None  # a ``tasks.rewards.RULES`` name (None: no rule)
-    rule_weight: float
-
-    @classmethod
-    def for_training(cls, ctx: StageContext) -> Scoring:
-        """The run's rewards (``reward.*``); the rule is computed as the built-in task's honest
-        metric even at weight 0."""
-        cfg = ctx.cfg.reward
-        return cls(
-            model_weight=cfg.model_weight if ctx.reward_group is not None else None,
-            functions=bool(cfg.functions),
-            rule=cfg.rule if uses_rule(ctx.cfg) else None,
-            rule_weight=cfg.rule_weight,
-        )
-
-    @classmethod
-    def rule_only(cls, rule: str) -> Scoring:
-        """The rule alone, at weight 1 (the built-in task's held-out accuracy)."""
-        return cls(model_weight=None, functions=False, rule=rule, rule_weight=1.0)
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        """The fields scoring a training batch writes."""
-        return (
-            ("scores",)
-            + (("rm_scores",) if self.model_weight is not None else ())
-            + (("rule_scores",) if self.rule else ())
-        )
 
 
 @dataclass
@@ -171,15 +130,15 @@ class Scores:
 
 def scoring_group(ctx: StageContext, scoring: Scoring) -> WorkerGroup:
     """The reward model's workers when it scores, else the rollout pool's."""
-    if scoring.model_weight is not None and ctx.reward_group is not None:
-        return ctx.reward_group
-    return ctx.rollout_group
+    if scoring.model_weight is not None and ctx.rt.reward_group is not None:
+        return ctx.rt.reward_group
+    return ctx.rt.rollout_group
 
 
 def _function_scores(ctx: StageContext, meta: BatchMeta, texts: list[str]) -> FunctionScores:
     from infra.reward_functions import RewardSample
 
-    if ctx.reward_pool is None:
+    if ctx.rt.reward_pool is None:
         raise ValueError("reward functions asked for, but the run has no reward.functions")
 
     data = read(ctx, meta, FUNCTION_READS)
@@ -200,7 +159,7 @@ def _function_scores(ctx: StageContext, meta: BatchMeta, texts: list[str]) -> Fu
             strict=True,
         )
     ]
-    return ctx.reward_pool.score(samples)
+    return ctx.rt.reward_pool.score(samples)
 
 
 def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scores:
@@ -243,12 +202,12 @@ def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scor
 
 
 @task(name="score", cache_policy=NO_CACHE, task_run_name="score[step={step}]")
-@faults_at("score", lambda ctx: scoring_group(ctx, Scoring.for_training(ctx)))
+@faults_at("score", lambda ctx: scoring_group(ctx, ctx.plan.scoring))
 def score(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
-    scoring = Scoring.for_training(ctx)
+    scoring = ctx.plan.scoring
     names = scoring.writes
     # 0. Scored before a restart (a partition checkpointed in flight): nothing to redo.
-    done = ctx.store.kv_list(meta.partition_id)
+    done = ctx.rt.store.kv_list(meta.partition_id)
     if meta.keys and all(set(names) <= set(done.get(k, ())) for k in meta.keys):
         return StageResult(meta.with_fields(*names))
     # 1. Score on the workers (they write rm_scores; raises, writing no scores, when a reward fails).

@@ -188,21 +188,21 @@ def sync_rollout_weights(ctx: StageContext) -> None:
     """Push the actor's weights to a rollout pool that is not the training pool: every training
     worker takes part in gathering them; rank 0's reply carries them, from its worker to the
     rollout workers without passing through this process."""
-    if ctx.rollout_group is ctx.train_group:
+    if ctx.rt.rollout_group is ctx.rt.train_group:
         return
-    version = ctx.train_group.call(ModelWorker.ping)[0]["version"]
-    ctx.train_group.relay(
-        ModelWorker.policy_state, ctx.rollout_group, ModelWorker.load_policy, version
+    version = ctx.rt.train_group.call(ModelWorker.ping)[0]["version"]
+    ctx.rt.train_group.relay(
+        ModelWorker.policy_state, ctx.rt.rollout_group, ModelWorker.load_policy, version
     )
 
 
 @task(name="update", cache_policy=NO_CACHE, task_run_name="update[step={step}]")
-@faults_at("update", lambda ctx: ctx.train_group)
+@faults_at("update", lambda ctx: ctx.rt.train_group)
 def update(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
-    world = ctx.train_group.size
+    world = ctx.rt.train_group.size
     # 1. Every training worker updates on its shard (they normalise by global counts), once per
     # step: a retry gets the first attempt's result.
-    results = ctx.train_group.run_sharded(
+    results = ctx.rt.train_group.run_sharded(
         update_rows,
         meta,
         step=step,

@@ -1,7 +1,7 @@
 """validate: the policy answers a set of prompts and the chosen rewards score them.
 
 A ``Validation`` names the prompts, the samples per prompt, the sampling temperature and the
-rewards (``tasks.score.stage.Scoring``). The run evaluates two kinds: the user's
+rewards (``tasks.plan.Scoring``). The run evaluates two kinds: the user's
 ``data.val_files`` (``rollout.val_n`` samples per prompt at ``rollout.val_temperature``, every
 reward of the run) and the built-in task's held-out prompts (one greedy answer each, the rule
 alone). The prompts go through the store like a training step's (partition ``val/step-<N>``,
@@ -25,7 +25,8 @@ from infra.data import PromptRow
 from tasks.context import Metrics, StageContext
 from tasks.generate.stage import generate_partition, submit_prompts
 from tasks.io import read
-from tasks.score.stage import Scores, Scoring, compute_scores
+from tasks.plan import Scoring
+from tasks.score.stage import Scores, compute_scores
 
 VALIDATION_SEED = 0
 
@@ -74,7 +75,7 @@ def _parts(scores: Scores) -> dict[str, list[float]]:
 @task(name="validate", cache_policy=NO_CACHE, task_run_name="validate[step={step}]")
 def validate(ctx: StageContext, job: Validation, step: int) -> Metrics:
     partition = partition_id(step)
-    ctx.store.kv_clear(partition)  # a retried validation starts from nothing
+    ctx.rt.store.kv_clear(partition)  # a retried validation starts from nothing
     try:
         # 1. Submit the prompts, 2. generate n answers each, 3. score them.
         meta = submit_prompts(ctx, partition_id=partition, rows=job.rows, n=job.n)
@@ -93,4 +94,4 @@ def validate(ctx: StageContext, job: Validation, step: int) -> Metrics:
             metrics["eval/rule_accuracy"] = float(scores.rule.mean())
         return metrics
     finally:
-        ctx.store.kv_clear(partition)
+        ctx.rt.store.kv_clear(partition)

@@ -69,54 +69,6 @@ def test_batch_must_split_over_workers() -> None:
         load_config(None, ["rollout.prompts_per_step=3", "rollout.n=1", "resources.num_workers=2"])
 
 
-@pytest.mark.parametrize(
-    ("overrides", "recompute"),
-    [
-        ([], False),  # the default: sync, one epoch, one mini-batch of the whole batch
-        (["algorithm.old_logprobs=recompute"], True),
-        (["actor.ppo_epochs=2"], True),
-        (["actor.mini_batch_size=32", "actor.micro_batch_size=32"], True),
-        (["resources.mode=colocate_async"], True),
-        (["algorithm.kl.in_reward=true", "algorithm.kl.coef=0.1"], True),
-        (["algorithm.estimator=gae"], False),  # a critic does not change the actor's old policy
-    ],
-)
-def test_old_logprobs_are_recomputed_only_when_the_update_is_not_one_on_policy_step(
-    overrides: list[str], recompute: bool
-) -> None:
-    assert load_config(None, overrides).recompute_old_logprobs is recompute
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        [],
-        ["resources.mode=colocate_async"],
-        ["algorithm.estimator=gae", "algorithm.kl.in_reward=true", "algorithm.kl.coef=0.1"],
-    ],
-)
-def test_rollout_old_logprobs_replace_the_recompute_pass_in_every_reader(
-    overrides: list[str],
-) -> None:
-    """old_logprobs=rollout: the logprobs stage never computes old_logprobs; the update (as
-    its old policy) and the in-reward KL read the rollout engine's log-probs instead."""
-    from tasks.advantage.stage import reads as advantage_reads
-    from tasks.context import StageContext
-    from tasks.logprobs.stage import writes as logprob_writes
-    from tasks.update.stage import field_names
-    from tasks.update.stage import reads as update_reads
-
-    cfg = load_config(None, [*overrides, "algorithm.old_logprobs=rollout"])
-    ctx = StageContext(cfg=cfg, store=None, tokenizer=None, train_group=None)
-    assert cfg.old_logprobs_field == "rollout_logprobs" and not cfg.recompute_old_logprobs
-    assert "old_logprobs" not in logprob_writes(ctx)
-    assert "rollout_logprobs" in update_reads(ctx) and "old_logprobs" not in update_reads(ctx)
-    fields = field_names(ctx)  # stored name → the name the update takes it under
-    assert fields["rollout_logprobs"] == "old_logprobs" and "old_logprobs" not in fields
-    kl = advantage_reads(cfg.algorithm, old_logprobs=cfg.old_logprobs_field)
-    assert ("rollout_logprobs" in kl) is cfg.algorithm.use_reference
-
-
 # ---------------------------------------------------------------- bring your own model, data, reward
 def test_a_users_policy_without_any_reward_is_refused_naming_both_settings() -> None:
     with pytest.raises(ConfigError) as err:

@@ -56,7 +56,22 @@ for run in job["runs"]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if run.get("load"):
         load_sharded(Path(run["load"]), model, optimizer)
-    cfg = ActorUpdateSettings(mini_batch_size=B // world, micro_batch_size=max(B // world // 2, 1))
+    cfg = ActorUpdateSettings(
+        ppo_epochs=1,
+        mini_batch_size=B // world,
+        micro_batch_size=max(B // world // 2, 1),
+        max_tokens_per_micro_batch=None,
+        clip_low=0.2,
+        clip_high=0.2,
+        dual_clip=3.0,
+        agg="token-mean",
+        entropy_coef=0.0,
+        kl_loss_coef=0.0,
+        kl_loss_kind="k3",
+        max_grad_norm=1.0,
+        temperature=1.0,
+        shuffle_seed=None,
+    )
     for _ in range(run["steps"]):
         actor_update(
             model=model,

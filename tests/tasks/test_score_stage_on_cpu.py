@@ -9,7 +9,7 @@ from infra.config import load_config
 from infra.runtime import Runtime
 from storage import BatchMeta, open_store
 from tasks.context import StageContext
-from tasks.score.stage import Scoring, score
+from tasks.score.stage import score
 
 
 def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
@@ -27,7 +27,7 @@ def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
     ctx = StageContext(cfg=load_config(None, ["store.get_timeout_s=0.1"]), rt=rt, tokenizer=None)
     meta = BatchMeta(partition_id=partition, keys=tuple(keys), fields=())
     out = score.fn(ctx, meta, 3)
-    writes = Scoring.for_training(ctx).writes
+    writes = ctx.plan.scoring.writes
     assert writes == ("scores", "rm_scores", "rule_scores")
     assert set(writes) <= set(out.meta.fields)
     assert not out.metrics and not workers.asked  # nothing recomputed, nothing recorded

@@ -18,6 +18,7 @@ from test_optimize_on_cpu import (  # helpers of the fixed-row update tests
     actor_inputs,
     actor_settings,
     assert_same_parameters,
+    critic_settings,
     one_torch_thread,  # noqa: F401  (autouse fixture: one torch thread in this module too)
     tiny_critic,
     tiny_policy,
@@ -275,7 +276,7 @@ def test_critic_token_budget_matches_fixed_micro_batches(agg: str) -> None:
 
 def test_settings_reject_a_non_positive_budget() -> None:
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
-        CriticUpdateSettings(max_tokens_per_micro_batch=0)
+        critic_settings(max_tokens_per_micro_batch=0)
 
 
 # ----------------------------------------------------------------------------- stages
