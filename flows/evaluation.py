@@ -43,7 +43,10 @@ class Evaluator:
                 scoring=ctx.plan.scoring,
             )
         elif heldout:
-            rule = Scoring.rule_only(ctx.cfg.reward.rule)
+            # The rule alone, at weight 1: the held-out accuracy.
+            rule = Scoring(
+                model_weight=None, functions=False, rule=ctx.cfg.reward.rule, rule_weight=1
+            )
             self.job = Validation(rows=heldout, n=1, temperature=0.0, scoring=rule)
         self.rule_only = not val_rows
 

@@ -39,6 +39,15 @@ class Scoring:
     rule: str | None  # a ``tasks.rewards.RULES`` name (None: no rule)
     rule_weight: float
 
+    @property
+    def writes(self) -> tuple[str, ...]:
+        """The fields scoring a training batch writes."""
+        return (
+            ("scores",)
+            + (("rm_scores",) if self.model_weight is not None else ())
+            + (("rule_scores",) if self.rule else ())
+        )
+
     @classmethod
     def for_training(cls, cfg: TrainConfig) -> Scoring:
         """The run's rewards (``reward.*``); the rule is computed as the built-in task's honest
@@ -50,20 +59,6 @@ class Scoring:
             functions=bool(reward.functions),
             rule=reward.rule if uses_rule else None,
             rule_weight=reward.rule_weight,
-        )
-
-    @classmethod
-    def rule_only(cls, rule: str) -> Scoring:
-        """The rule alone, at weight 1 (the built-in task's held-out accuracy)."""
-        return cls(model_weight=None, functions=False, rule=rule, rule_weight=1.0)
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        """The fields scoring a training batch writes."""
-        return (
-            ("scores",)
-            + (("rm_scores",) if self.model_weight is not None else ())
-            + (("rule_scores",) if self.rule else ())
         )
 
 

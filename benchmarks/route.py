@@ -1,0 +1,183 @@
+"""The reading route of one GRPO step: which of ppoflow's files a reader opens, following the
+code from ``ppoflow train`` to the step's checkpoint, and how often they go back to a file
+already left.
+
+The run is real (``ppoflow train --config tiny`` for one step, on the built-in tiny assets, no
+warm start): every process of it — the flow's and each Ray worker's — records the first call of
+each of ppoflow's functions (a reader reads a function once; imports are not reading), with its
+wall-clock time. Merged in
+time order and mapped to files, consecutive calls in one file collapse into one visit. The store
+(``storage/``) is read as a black box: its internals are left out.
+
+    python benchmarks/route.py [--repo PATH] [--output benchmarks/results/route.json]
+
+``--repo`` measures another checkout of ppoflow (e.g. a ``git worktree`` of an older commit)
+with this script, for a before/after table. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PACKAGES = ("flows", "tasks", "infra")  # storage/ is the black box
+
+
+def _importing(frame: Any) -> bool:
+    """The frame runs inside an import (a decorator, a registry built at import time)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def install_tracer() -> None:
+    """Record the first call of each of ppoflow's functions in this process, to
+    ``$ROUTE_DIR/<pid>.jsonl`` (a Ray worker's setup hook, and the flow process's)."""
+    root = os.environ["ROUTE_REPO"]
+    out = Path(os.environ["ROUTE_DIR"]) / f"{os.getpid()}.jsonl"
+    seen: set[tuple[str, int]] = set()
+    lock = threading.Lock()
+    prefixes = tuple(os.path.join(root, p) + os.sep for p in PACKAGES)
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        path = code.co_filename
+        if not path.startswith(prefixes) or not code.co_flags & inspect.CO_NEWLOCALS:
+            return  # not ppoflow's, or a module or class body run at import
+        key = (path, code.co_firstlineno)
+        if key in seen or _importing(frame):
+            return
+        with lock:
+            if key in seen:
+                return
+            seen.add(key)
+            line = {
+                "t": time.time_ns(),
+                "file": os.path.relpath(path, root),
+                "function": code.co_qualname,
+            }
+            with out.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+
+
+def route(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Files opened and returns to a file already left, from time-ordered first calls."""
+    visits: list[str] = []
+    functions: list[list[str]] = []
+    for record in sorted(records, key=lambda r: r["t"]):
+        if not visits or visits[-1] != record["file"]:
+            visits.append(record["file"])
+            functions.append([])
+        functions[-1].append(record["function"])
+    opened: list[str] = []
+    returns = 0
+    for file in visits:
+        if file in opened:
+            returns += 1
+        else:
+            opened.append(file)
+    return {
+        "files_opened": len(opened),
+        "returns_to_a_file_left": returns,
+        "functions_read": len(records),
+        "files": opened,
+        "visits": [{"file": f, "functions": fs} for f, fs in zip(visits, functions)],
+    }
+
+
+def run(repo: Path, work: Path) -> dict[str, Any]:
+    """One step of ``ppoflow train --config tiny`` in ``repo``, traced in every process."""
+    os.environ.update(ROUTE_REPO=str(repo), ROUTE_DIR=str(work / "trace"))
+    (work / "trace").mkdir(parents=True)
+    sys.path.insert(0, str(repo))
+    import ray
+
+    from infra.assets import build_tiny_assets
+
+    assets = build_tiny_assets(work / "assets", seed=0)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        resources={"gpu_slot": 4},
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="rr"),
+        runtime_env={
+            "worker_process_setup_hook": install_tracer,
+            "env_vars": {
+                "ROUTE_REPO": str(repo),
+                "ROUTE_DIR": str(work / "trace"),
+                "PYTHONPATH": str(repo),
+            },
+        },
+    )
+    from flows.cli import main
+
+    argv = [
+        "train",
+        "--config",
+        "tiny",
+        f"models.assets_dir={assets.root}",
+        "warmstart.enabled=false",
+        f"models.reward_model={assets.reward_model}",
+        f"run_dir={work / 'run'}",
+        "trainer.total_steps=1",
+        "trainer.checkpoint_every=1",
+        "resources.num_cpus=4",
+    ]
+    install_tracer()
+    try:
+        main(argv)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+        ray.shutdown()
+    records = [
+        json.loads(line)
+        for path in sorted((work / "trace").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    return route(records)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    here = Path(__file__).resolve().parents[1]
+    parser.add_argument("--repo", type=Path, default=here, help="the checkout to measure")
+    parser.add_argument("--output", type=Path, default=None, help="JSON file to write")
+    args = parser.parse_args()
+    for name in ("PREFECT_SERVER_ANALYTICS_ENABLED", "DO_NOT_TRACK", "RAY_AUTH_MODE"):
+        os.environ.setdefault(name, {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}.get(name, "1"))
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    with tempfile.TemporaryDirectory(prefix="route") as tmp:
+        result = run(args.repo.resolve(), Path(tmp))
+    print("| files opened | returns to a file left | functions read |")
+    print("|---:|---:|---:|")
+    print(
+        f"| {result['files_opened']} | {result['returns_to_a_file_left']} "
+        f"| {result['functions_read']} |"
+    )
+    print("files, in the order first opened:", ", ".join(result["files"]))
+    if args.output is not None:
+        args.output.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
