@@ -81,7 +81,7 @@ def _autocast_forward(model: nn.Module, dtype: torch.dtype, device: torch.device
         with torch.autocast(device.type, dtype=dtype):
             return forward(*args, **kwargs)
 
-    model.forward = autocast_forward  # type: ignore[method-assign]
+    model.forward = autocast_forward
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -123,8 +123,9 @@ def prepare_trainable(
                 f"{role}.gradient_checkpointing=false"
             )
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if getattr(model, "config", None) is not None:
-            model.config.use_cache = False
+        config = getattr(model, "config", None)
+        if config is not None:
+            config.use_cache = False
         model.train()
     else:
         model.eval()
@@ -214,18 +215,18 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
 def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Write the model's (and optimizer's) state with DCP to the folder ``path``: each worker
     writes its own shards (every worker of the group calls it)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import save
 
-    dcp.save(_states(model, optimizer), checkpoint_id=str(path))
+    save(_states(model, optimizer), checkpoint_id=str(path))
 
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load what ``save_sharded`` wrote, resharded to this group's workers."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     state = _states(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    load(state, checkpoint_id=str(path))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
