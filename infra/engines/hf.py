@@ -56,7 +56,7 @@ class TransformersEngine:
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         fuse_activations(model)
         torch.nn.Module.to(model, self._device)  # (transformers' wrapped .to confuses mypy)
-        self.model: PreTrainedModel = model.eval()
+        self.model: PreTrainedModel = torch.nn.Module.eval(model)  # (transformers' eval is untyped)
         self.eos_token_ids: tuple[int, ...] = _resolve_eos(self.model, eos_token_id)
         self.pad_token_id: int = _resolve_pad(self.model, pad_token_id, self.eos_token_ids)
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self._device)
@@ -138,7 +138,9 @@ class TransformersEngine:
             rollout_logprobs=[logprobs[r, :k].clone() for r, k in enumerate(cut)],
         )
 
-    def _forward(self, input_ids: Tensor, mask: Tensor | None, positions: Tensor, cache: Any):
+    def _forward(
+        self, input_ids: Tensor, mask: Tensor | None, positions: Tensor, cache: Any
+    ) -> Tensor:
         kwargs: dict[str, Any] = {self._cache_kw: cache}
         if self._keeps_last_logits:
             kwargs["logits_to_keep"] = 1
@@ -149,7 +151,8 @@ class TransformersEngine:
             use_cache=True,
             **kwargs,
         )
-        return out.logits[:, -1, :]  # (B, V)
+        logits: Tensor = out.logits[:, -1, :]  # (B, V)
+        return logits
 
     def _sample_loop(
         self,
@@ -252,7 +255,9 @@ def _outside_nucleus(logp: Tensor, top_p: float) -> Tensor:
     return torch.zeros_like(outside_sorted).scatter(-1, order, outside_sorted)
 
 
-def _left_pad(prompt_ids: list[Tensor], pad_token_id: int, device: torch.device):
+def _left_pad(
+    prompt_ids: list[Tensor], pad_token_id: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """Left-pad 1-D prompts: (ids (U, P) int64, mask (U, P) int64 with 1 = real token)."""
     width = max(int(ids.numel()) for ids in prompt_ids)
     ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)  # (U, P)
@@ -271,11 +276,16 @@ def _new_cache(model: PreTrainedModel) -> DynamicCache:
         return DynamicCache()
     layers = getattr(cache, "layers", None)
     if isinstance(layers, list):
-        cache.layers = [GrowingLayer() if type(x) is DynamicLayer else x for x in layers]
+        cache.layers = [
+            # GrowingLayer inherits transformers' unannotated CacheLayerMixin.__init__
+            GrowingLayer() if type(x) is DynamicLayer else x  # type: ignore[no-untyped-call]
+            for x in layers
+        ]
     return cache
 
 
-class GrowingLayer(DynamicLayer):
+# transformers' CacheLayerMixin.__init_subclass__ is unannotated
+class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     """A ``DynamicLayer`` that appends into spare capacity instead of concatenating.
 
     transformers' layer makes a new (B, H, L + 1, D) tensor per decoded token and layer (a
@@ -294,6 +304,8 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+        if self.keys is None or self.values is None:
+            raise RuntimeError("GrowingLayer.update: initialized but holds no keys or values")
         self._key_buf, self.keys = _append(self._key_buf, self.keys, key_states)
         self._value_buf, self.values = _append(self._value_buf, self.values, value_states)
         return self.keys, self.values
