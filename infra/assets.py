@@ -163,7 +163,8 @@ def build_char_tokenizer(
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=spec.unk))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
+    # transformers' TokenizersBackend.__init__ is unannotated
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=core,
         pad_token=spec.pad,
         bos_token=spec.bos,
@@ -180,9 +181,9 @@ def build_char_tokenizer(
 
 
 def _llama_config(
-    spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, **extra: int
+    spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, *, num_labels: int | None = None
 ) -> LlamaConfig:
-    return LlamaConfig(
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_layers,
@@ -194,8 +195,10 @@ def _llama_config(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
-        **extra,
     )
+    if num_labels is not None:
+        config.num_labels = num_labels  # a property (it fills id2label), not a constructor field
+    return config
 
 
 def _save_model(
