@@ -40,7 +40,7 @@ def ensure_ray(res: ResourcesConfig, *, pools_devices: int) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return True
-    resources = (
+    resources: dict[str, float] = (
         {} if res.accelerator_resource == "GPU" else {res.accelerator_resource: pools_devices}
     )
     ray.init(
@@ -103,7 +103,8 @@ def create_pool(
         ray.get(group.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
-        available = ray.available_resources()
+        # ray's available_resources is unannotated
+        available = ray.available_resources()  # type: ignore[no-untyped-call]
         raise ResourceError(
             f"pool {name!r} needs {size} bundle(s) of {{CPU: 0.5, {accelerator}: "
             f"{devices_per_bundle}}} but the cluster "

@@ -102,7 +102,7 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _warmup_lambda(warmup: int):  # noqa: ANN202 - a LambdaLR closure
+def _warmup_lambda(warmup: int) -> Callable[[int], float]:
     return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
 
 
@@ -154,7 +154,9 @@ class ModelWorker:
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = int(sock.getsockname()[1])
-        return f"{ray.util.get_node_ip_address()}:{port}"
+        # ray's get_node_ip_address is unannotated
+        host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return f"{host}:{port}"
 
     def join_group(self, address: str) -> None:
         """Join the data-parallel torch.distributed group meeting at ``address``, then build the
@@ -234,7 +236,9 @@ class ModelWorker:
     def _build_actor(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.spec.policy_path, dtype=torch.float32)
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+            self.spec.policy_path, dtype=torch.float32
+        )
         if self.cfg.actor.lora is not None:
             from infra.lora import apply_lora
 
@@ -260,7 +264,7 @@ class ModelWorker:
         if self.reference_is_actor:
             return
         path = self.spec.reference_path or self.spec.policy_path
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         fuse_activations(model)
         model = prepare_frozen(model, strategy=self.strategy("ref"), device=self.device)
         self.ref = TrainableModel(model, None, device=str(self.device))
