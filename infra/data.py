@@ -203,7 +203,7 @@ class PromptDataset:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
 
     def _served(self, position: int) -> PromptRow:
-        row = self.rows[self._order[position]]
+        row = self.rows[int(self._order[position])]
         return row if self.epoch == 0 else replace(row, uid=f"{row.uid}@{self.epoch}")
 
     def next_batch(self, n: int) -> list[PromptRow]:

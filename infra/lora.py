@@ -170,7 +170,8 @@ def _delta(
         delta = (b @ a).T  # (num_embeddings, embedding_dim)
     else:
         raise NotImplementedError(f"merging a LoRA layer of type {type(layer).__name__} ({name})")
-    return delta * layer.scaling[adapter]
+    scale: float = layer.scaling[adapter]  # lora_alpha / r (peft leaves the dict untyped)
+    return delta * scale
 
 
 def merged_state_dict(

@@ -246,7 +246,7 @@ def load_reward_function(spec: FunctionSpec, index: int) -> RewardFn:
             f"{where}: {spec.path} has no {spec.name!r} (its callables: "
             f"{_one_line(', '.join(defined) or 'none', 120)}); set the function's name"
         )
-    function = getattr(module, spec.name)
+    function: object = getattr(module, spec.name)
     if not callable(function):
         raise RewardFunctionLoadError(
             f"{where}: {spec.name!r} in {spec.path} is not callable "

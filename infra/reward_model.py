@@ -184,7 +184,7 @@ def last_token_scores(model: PreTrainedModel, input_ids: Tensor, lengths: Tensor
     mask = (positions[None, :] < lengths[:, None]).long()  # (B, L) 1 = real token
     head = getattr(model, "score", None)
     if not isinstance(head, torch.nn.Module) or model.base_model is model:
-        return model(input_ids=input_ids, attention_mask=mask).logits[:, 0].float()
+        return cast(Tensor, model(input_ids=input_ids, attention_mask=mask).logits[:, 0].float())
     hidden = model.base_model(
         input_ids=input_ids, attention_mask=mask, use_cache=False
     ).last_hidden_state  # (B, L, H)

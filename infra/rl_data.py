@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -124,7 +124,8 @@ def _first_line(err: BaseException) -> str:
 def _column(table: pa.Table, key: str) -> list[Any] | None:
     """The values at ``key``: a column of that literal name, else a dotted walk into structs."""
     if key in table.column_names:
-        return table.column(key).to_pylist()
+        listed: list[Any] = table.column(key).to_pylist()
+        return listed
     parts = key.split(".")
     for split in range(len(parts) - 1, 0, -1):
         head = ".".join(parts[:split])
@@ -253,9 +254,9 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Any) -> tuple[
     """The tokenizer's chat template over ``messages`` with the generation prompt, as ids
     (transformers returns a list, or ``input_ids`` of a dict)."""
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(out, Mapping):
-        out = out["input_ids"]
-    return tuple(int(token) for token in out)
+    # One conversation, tokenized: a list of ids (the stub's return type covers every mode).
+    ids = out["input_ids"] if isinstance(out, Mapping) else cast(list[int], out)
+    return tuple(int(token) for token in ids)
 
 
 def _prompt_ids(tokenizer: PreTrainedTokenizerBase, row: PromptRow) -> tuple[int, ...]:

@@ -8,11 +8,18 @@ skipped). Returning a dict logs every extra number as ``reward_extra/<key>/mean`
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _NUMBER = re.compile(r"-?\d+")
 
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: object,
+    extra_info: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict[str, float | bool]:
     answer = solution_str.strip()
     well_formed = bool(_NUMBER.fullmatch(answer))
     correct = well_formed and int(answer) == int(str(ground_truth).strip())
