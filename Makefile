@@ -32,7 +32,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 typecheck: venv
-	$(VENV)/bin/mypy --strict storage tasks/masks.py tasks/batching.py tasks/advantage/core.py tasks/update/core.py tasks/update/optimize.py tasks/score/core.py tasks/kl.py tasks/rewards.py
+	$(VENV)/bin/mypy --strict storage tasks flows infra
 
 bench-store: venv
 	$(PY) benchmarks/store.py

@@ -465,6 +465,10 @@ class FaultConfig(_Section):
         return self
 
 
+def _default_loggers() -> list[Logger]:
+    return ["jsonl"]
+
+
 class TrainerConfig(_Section):
     total_steps: int = Field(25, ge=1, description="RL iterations.")
     max_restarts: int = Field(
@@ -490,7 +494,7 @@ class TrainerConfig(_Section):
     )
     progress_bar: bool = Field(True, description="Terminal progress bar.")
     loggers: list[Logger] = Field(
-        default_factory=lambda: ["jsonl"],
+        default_factory=_default_loggers,
         description=(
             "Experiment trackers: jsonl (metrics.jsonl, always on), tensorboard, wandb (offline "
             "unless an account is configured), mlflow (a local file store unless "

@@ -172,7 +172,7 @@ def _operands(row: PromptRow) -> tuple[int, int]:
 def careless_answer(row: PromptRow, rng: random.Random, *, correct_fraction: float) -> str:
     """An annotator's answer: correct with ``correct_fraction``, else a typical mistake."""
     if rng.random() < correct_fraction:
-        return row.ground_truth
+        return str(row.ground_truth)
     return wrong_answer(row, rng)
 
 
@@ -342,12 +342,12 @@ def _train_loop(
             group["lr"] = _cosine_lr(lr, progress, warmup=warmup_fraction, floor=min_lr_ratio)
         loss = loss_fn(progress)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
         step += 1
-    model.eval()
+    torch.nn.Module.eval(model)  # transformers leaves its eval() unannotated
     return losses, step, time.perf_counter() - started
 
 
