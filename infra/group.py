@@ -193,18 +193,39 @@ class WorkerGroup:
 
     def run_sharded(
         self,
-        fn: Callable[Concatenate[ModelWorker, BatchMeta, ...], R],
+        fn: Callable[Concatenate[ModelWorker, BatchMeta, P], R],
         meta: BatchMeta,
         /,
-        *,
-        skip_empty: bool = False,
-        **kwargs: Any,
+        *args: P.args,
+        **kwargs: P.kwargs,
     ) -> list[R]:
-        """``fn(worker_i, shard_i, **kwargs)`` with ``meta``'s keys split into one contiguous
-        shard per worker (``skip_empty`` leaves workers without keys idle); the replies come
-        back in shard order."""
+        """``fn(worker_i, shard_i, *args, **kwargs)`` on every worker, with ``meta``'s keys split
+        into one contiguous shard per worker (collectives need every worker, even one without
+        keys); the replies come back in shard order."""
+        return self._sharded(fn, meta, args, kwargs, skip_empty=False)
+
+    def run_on_keys(
+        self,
+        fn: Callable[Concatenate[ModelWorker, BatchMeta, P], R],
+        meta: BatchMeta,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> list[R]:
+        """``run_sharded`` on the workers whose shard holds keys; the rest stay idle."""
+        return self._sharded(fn, meta, args, kwargs, skip_empty=True)
+
+    def _sharded(
+        self,
+        fn: Callable[..., R],
+        meta: BatchMeta,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        skip_empty: bool,
+    ) -> list[R]:
         shards = [s for s in meta.shards(self.size) if s.keys or not skip_empty]
-        refs = [self._submit(i, fn, (shard,), kwargs) for i, shard in enumerate(shards)]
+        refs = [self._submit(i, fn, (shard, *args), kwargs) for i, shard in enumerate(shards)]
         return list(self._collect(refs, fn.__qualname__))
 
     def _collect(self, refs: Any, what: str) -> Any:

@@ -26,10 +26,20 @@ import random
 import socket
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, cast, get_args
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Literal,
+    ParamSpec,
+    TypeVar,
+    cast,
+    get_args,
+    overload,
+)
 
 import numpy as np
 import torch
@@ -39,6 +49,10 @@ from infra.config import OptimConfig, Strategy, TrainConfig
 from infra.faults import EXIT_STATUS, WorkerFault
 from infra.kernels import fuse_activations
 from storage import BatchMeta
+
+if TYPE_CHECKING:
+    from infra.engines.base import GenerationEngine, Sleepable
+    from infra.reward_model import RewardScorer
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -316,11 +330,20 @@ class ModelWorker:
     def has(self, role: Role) -> bool:
         return role in self.spec.roles
 
-    @contextmanager
-    def awake(self, role: Role) -> Iterator[Any]:
+    @overload
+    def awake(self, role: Literal["rollout"]) -> AbstractContextManager[GenerationEngine]: ...
+
+    @overload
+    def awake(self, role: Literal["reward"]) -> AbstractContextManager[RewardScorer]: ...
+
+    @overload
+    def awake(
+        self, role: Literal["actor", "ref", "critic"]
+    ) -> AbstractContextManager[TrainableModel]: ...
+
+    def awake(self, role: Role) -> AbstractContextManager[Sleepable]:
         """The model of ``role``, awake inside the block and asleep again after it."""
-        with self.group.awake(role) as model:
-            yield model
+        return self.group.awake(role)
 
     @contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:

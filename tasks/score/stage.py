@@ -165,10 +165,9 @@ def _function_scores(ctx: StageContext, meta: BatchMeta, texts: list[str]) -> Fu
 def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scores:
     """The rewards of ``scoring`` for one batch (see the module docstring); raises before
     ``scores`` is written when one of them fails."""
-    parts = scoring_group(ctx, scoring).run_sharded(
+    parts = scoring_group(ctx, scoring).run_on_keys(
         score_rows,
         meta,
-        skip_empty=True,
         rule=scoring.rule,
         texts=scoring.functions,
         model=scoring.model_weight is not None,

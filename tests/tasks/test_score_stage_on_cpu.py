@@ -44,6 +44,6 @@ class AskedToScore:
     def __init__(self) -> None:
         self.asked: list[tuple[str, ...]] = []
 
-    def run_sharded(self, step, meta, **kwargs):
+    def run_on_keys(self, step, meta, **kwargs):
         self.asked.append(meta.keys)
         raise LookupError(f"asked to score {len(meta.keys)} samples")
