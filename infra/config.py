@@ -26,6 +26,15 @@ Mode = Literal["sync", "colocate_async", "separate_async"]
 Strategy = Literal["fsdp2", "none"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLKind = Literal["k1", "abs", "k2", "k3"]
+CorrectionMode = Literal[
+    "auto",
+    "none",
+    "token_truncate",
+    "sequence_truncate",
+    "token_mask",
+    "sequence_mask",
+    "geometric_mask",
+]
 # The built-in addition task's prompt in tokens of its own character tokenizer, the same for
 # every operand pair (10..99): <bos> <|user|> a a + b b = <|assistant|>.
 BUILTIN_PROMPT_TOKENS = 9
@@ -127,6 +136,13 @@ class RolloutConfig(_Section):
     max_model_len: int | None = Field(
         None, ge=1, description="vLLM: longest prompt + response (None = the model's own limit)."
     )
+    mask_truncated: bool = Field(
+        False,
+        description=(
+            "Leave responses cut at max_new_tokens without an EOS token out of the actor's loss "
+            "(their scores still count in their group's advantage statistics)."
+        ),
+    )
 
 
 class RewardFunctionConfig(_Section):
@@ -148,6 +164,16 @@ class RewardFunctionConfig(_Section):
     def label(self) -> str:
         """``path:name`` (``builtin:name`` for a built-in rule): how errors and metrics name it."""
         return f"{self.path or 'builtin'}:{self.name}"
+
+
+class OverlongBufferConfig(_Section):
+    """DAPO's soft overlong punishment: a response longer than ``rollout.max_new_tokens -
+    length`` loses ``penalty * excess / length`` from its score, reaching ``penalty`` at the cap."""
+
+    length: int = Field(
+        0, ge=0, description="Tokens before the cap where the penalty grows (0 = off)."
+    )
+    penalty: float = Field(1.0, ge=0, description="What a response of max_new_tokens loses.")
 
 
 class RewardConfig(_Section):
@@ -178,6 +204,7 @@ class RewardConfig(_Section):
     rule: Literal["exact_match", "hash_answer_match"] = Field(
         "exact_match", description="Rule that checks a response against ground_truth."
     )
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 
 class KLConfig(_Section):
@@ -197,6 +224,36 @@ class KLConfig(_Section):
     )
 
 
+class RolloutCorrectionConfig(_Section):
+    """Off-policy correction of the actor's loss against the behaviour policy's
+    ``rollout_logprobs`` (``tasks.update.correction``); its gap is measured every step
+    (``rollout_corr/*``)."""
+
+    mode: CorrectionMode = Field(
+        "auto",
+        description=(
+            "token_truncate / sequence_truncate: weight the loss by min(pi_old / pi_rollout, cap) "
+            "per token / per sequence; token_mask / sequence_mask / geometric_mask: leave out "
+            "tokens / sequences / sequences by the geometric mean of their token ratios outside "
+            "[low, high]; none. 'auto': token_truncate when the rollout's log-probs can differ "
+            "from the trainer's (rollout.engine=vllm, models.dtype other than float32, an async "
+            "resources.mode), else none."
+        ),
+    )
+    cap: float = Field(2.0, gt=0, description="Truncation cap of the importance weights.")
+    low: float = Field(0.5, gt=0, description="Masks: the lowest ratio kept.")
+    high: float = Field(2.0, gt=0, description="Masks: the highest ratio kept.")
+
+    @model_validator(mode="after")
+    def _low_below_high(self) -> RolloutCorrectionConfig:
+        if not self.low <= 1.0 <= self.high:
+            raise ValueError(
+                f"algorithm.rollout_correction.low={self.low} and .high={self.high} must hold "
+                "the on-policy ratio 1 (low <= 1 <= high)"
+            )
+        return self
+
+
 class AlgorithmConfig(_Section):
     estimator: Estimator = Field("grpo", description="Advantage estimator; 'gae' uses a critic.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
@@ -207,6 +264,7 @@ class AlgorithmConfig(_Section):
     )
     kl: KLConfig = Field(default_factory=KLConfig)
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus in the actor loss.")
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
         "auto",
         description=(
@@ -611,6 +669,16 @@ class TrainConfig(_Section):
                 f"store.url={url!r} is an in-process store, but the workers read and write the "
                 "store from their own processes: set store.url to ray://NAME?shards=N (the "
                 "default is ray://ppoflow?shards=1)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_overlong_buffer(self) -> TrainConfig:
+        buffer, cap = self.reward.overlong_buffer.length, self.rollout.max_new_tokens
+        if buffer >= cap:
+            raise ConfigError(
+                f"reward.overlong_buffer.length={buffer} must be below rollout.max_new_tokens="
+                f"{cap}: the penalty grows over the last length tokens before the cap"
             )
         return self
 
