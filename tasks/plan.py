@@ -15,8 +15,17 @@ and handed to the stages.
   Empty: the stage does not run.
 - ``kl_to_ref_at``: where ``actor/kl_to_ref`` is measured — the advantage stage when it reads
   stored policy log-probs, else the update from its own first forward pass.
+- ``rollout_correction``: the off-policy correction of the actor's loss
+  (``algorithm.rollout_correction.mode``, ``tasks.update.correction``) with ``auto`` resolved:
+  ``token_truncate`` when the rollout's log-probs can differ from the trainer's (the vLLM engine;
+  ``models.dtype`` other than float32, which the rollout engine holds while the trainer computes
+  from float32 master weights; an async mode, whose batches lag the trainer's policy), else
+  ``none``.
+- ``mask_truncated``: responses cut at ``rollout.max_new_tokens`` without EOS leave the actor's
+  loss (``rollout.mask_truncated``): the score stage writes ``truncated``, the update reads it.
 - ``advantage_reads`` and ``update_fields``: what those two stages read (the update takes the
-  policy's log-probs field under the name ``old_logprobs``).
+  policy's log-probs field under the name ``old_logprobs``, and the behaviour policy's
+  ``rollout_logprobs`` for the correction and the ``rollout_corr/*`` metrics).
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ from infra.config import TrainConfig
 
 PolicyLogprobs = Literal["old_logprobs", "rollout_logprobs"]
 ForwardPass = Literal["old_logprobs", "ref_logprobs", "values"]
+Correction = Literal[
+    "none", "token_truncate", "sequence_truncate", "token_mask", "sequence_mask", "geometric_mask"
+]
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,8 @@ class StepPlan:
     kl_loss: bool
     forward_passes: tuple[ForwardPass, ...]
     kl_to_ref_at: Literal["advantage", "update"] | None
+    rollout_correction: Correction
+    mask_truncated: bool
     advantage_reads: tuple[str, ...]
     update_fields: dict[str, str]
 
@@ -100,6 +114,10 @@ class StepPlan:
             update[old] = "old_logprobs"
         if kl_loss or kl_at == "update":
             update["ref_logprobs"] = "ref_logprobs"
+        if old != "rollout_logprobs":  # the behaviour policy (read as old_logprobs otherwise)
+            update["rollout_logprobs"] = "rollout_logprobs"
+        if cfg.rollout.mask_truncated:
+            update["truncated"] = "truncated"
         if critic:
             update.update(values="values", returns="returns")
         return cls(
@@ -110,6 +128,8 @@ class StepPlan:
             kl_loss=kl_loss,
             forward_passes=tuple(passes),
             kl_to_ref_at=kl_at,
+            rollout_correction=_rollout_correction(cfg),
+            mask_truncated=cfg.rollout.mask_truncated,
             advantage_reads=("response_ids", "scores", "group_ids")
             + policy
             + (("values",) if critic else ()),
@@ -127,3 +147,16 @@ def _old_logprobs(cfg: TrainConfig) -> PolicyLogprobs | None:
     one_step = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size >= cfg.batch_size
     on_policy = cfg.resources.mode == "sync" and one_step
     return None if on_policy else "old_logprobs"
+
+
+def _rollout_correction(cfg: TrainConfig) -> Correction:
+    """See ``algorithm.rollout_correction.mode`` and the module docstring."""
+    mode = cfg.algorithm.rollout_correction.mode
+    if mode != "auto":
+        return mode
+    differs = (
+        cfg.rollout.engine == "vllm"
+        or cfg.models.dtype != "float32"
+        or cfg.resources.mode in ("colocate_async", "separate_async")
+    )
+    return "token_truncate" if differs else "none"

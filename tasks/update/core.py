@@ -115,13 +115,17 @@ def ppo_policy_loss(
     dual_clip: float | None,
     agg: str,
     loss_denominator: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> PolicyLossOutput:
-    """Clipped surrogate loss with an asymmetric clip and dual clip.
+    """Clipped surrogate loss with an asymmetric clip and dual clip, optionally decoupled.
 
     1. ratio = exp(logprobs − old_logprobs) (log-ratio clamped to ±20).
     2. ℓ = max(−A·ratio, −A·clip(ratio, 1 − clip_low, 1 + clip_high)).
     3. Dual clip (A < 0 only): ℓ = min(ℓ, −A·dual_clip) caps the loss of a very large ratio.
-    4. Aggregate; clipfrac = share of real tokens where the clipped term won;
+    4. Decoupled PPO: ℓ = w·ℓ with ``is_weights`` w (B, T), detached, the correction of the
+       proximal policy (old_logprobs) against the behaviour policy that sampled the tokens
+       (``tasks.update.correction``); None = 1.
+    5. Aggregate; clipfrac = share of real tokens where the clipped term won;
        approx_kl = mean(old_logprobs − logprobs) over real tokens.
     """
     check_dual_clip(dual_clip)
@@ -137,6 +141,9 @@ def ppo_policy_loss(
         capped = torch.minimum(loss_mat, -advantages * dual_clip)  # (B, T)
         loss_mat = torch.where(advantages < 0, capped, loss_mat)
     # 4.
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()  # (B, T)
+    # 5.
     loss = aggregate_loss(
         loss_mat=loss_mat, response_mask=response_mask, agg=agg, loss_denominator=loss_denominator
     )
@@ -223,11 +230,13 @@ def actor_loss(
     kl_loss_coef: float,
     kl_loss_kind: str,
     loss_denominator: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> ActorLossOutput:
     """PPO policy loss plus an optional entropy bonus and a KL-to-reference loss term.
 
     entropy (B, T) is needed when entropy_coef ≠ 0 and ref_logprobs (B, T) when
     kl_loss_coef ≠ 0; both terms use the same aggregation and denominator as the policy loss.
+    is_weights (B, T) weight the policy loss only (see `ppo_policy_loss`).
     """
     policy = ppo_policy_loss(
         logprobs=logprobs,
@@ -239,6 +248,7 @@ def actor_loss(
         dual_clip=dual_clip,
         agg=agg,
         loss_denominator=loss_denominator,
+        is_weights=is_weights,
     )
     total = policy.loss
     zero = torch.zeros((), dtype=total.dtype, device=total.device)

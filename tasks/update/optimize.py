@@ -45,6 +45,7 @@ from tasks.update.core import (
     entropy_from_logits,
     value_loss,
 )
+from tasks.update.correction import CORRECTIONS, rollout_correction, rollout_gap
 
 __all__ = [
     "ActorUpdateSettings",
@@ -100,7 +101,12 @@ class ActorUpdateSettings:
     entropy_coef: entropy bonus weight; kl_loss_coef / kl_loss_kind: KL-to-reference loss;
     max_grad_norm: clip the global grad norm (None = no clipping);
     temperature: logits are divided by it (match the rollout's sampling temperature);
-    shuffle_seed: permute rows before each epoch (seed + epoch), None keeps the order.
+    shuffle_seed: permute rows before each epoch (seed + epoch), None keeps the order;
+    rollout_correction: a `tasks.update.correction.CORRECTIONS` mode (resolved: never auto),
+        with correction_cap (truncation) and correction_low / correction_high (masks);
+    old_is_rollout: the old_logprobs given are the behaviour policy's (``algorithm.old_logprobs:
+        rollout``): the ratio is clipped against them, and the correction's ratio is the current
+        policy's (detached) against them, of which only the masks apply.
     """
 
     ppo_epochs: int
@@ -117,6 +123,11 @@ class ActorUpdateSettings:
     max_grad_norm: float | None
     temperature: float
     shuffle_seed: int | None
+    rollout_correction: str
+    correction_cap: float
+    correction_low: float
+    correction_high: float
+    old_is_rollout: bool
 
     def __post_init__(self) -> None:
         _check_batching(
@@ -127,6 +138,11 @@ class ActorUpdateSettings:
         )
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg {self.agg!r} is not one of {sorted(AGGREGATIONS)}")
+        if self.rollout_correction not in CORRECTIONS:
+            raise ValueError(
+                f"rollout_correction {self.rollout_correction!r} is not one of "
+                f"{sorted(CORRECTIONS)}"
+            )
         if self.kl_loss_kind not in KL_PENALTIES:
             raise ValueError(
                 f"kl_loss_kind {self.kl_loss_kind!r} is not one of {sorted(KL_PENALTIES)}"
@@ -240,6 +256,7 @@ class _Tally:
 
     step_sums: dict[str, float] = field(default_factory=dict)
     token_sums: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
     steps: int = 0
     tokens: float = 0.0
     skipped_steps: int = 0
@@ -253,9 +270,14 @@ class _Tally:
         for name, mean in means.items():
             self.token_sums[name] = self.token_sums.get(name, 0.0) + mean * n_tokens
 
+    def add_max(self, **values: float) -> None:
+        for name, value in values.items():
+            self.maxima[name] = max(self.maxima.get(name, value), value)
+
     def metrics(self) -> dict[str, float]:
         out = {name: total / max(self.steps, 1) for name, total in self.step_sums.items()}
         out.update({name: total / max(self.tokens, 1.0) for name, total in self.token_sums.items()})
+        out.update(self.maxima)
         return out
 
 
@@ -316,11 +338,21 @@ def _actor_micro_step(
             ref = mb_tensors["ref_logprobs"]
             kl = kl_penalty(logprobs=old_logprobs, ref_logprobs=ref, kind="k1")  # (b, T)
             token_means["actor/kl_to_ref"] = float(kl[mb.response_mask].mean().nan_to_num())
+    loss_mask, is_weights = _correct(
+        mb_tensors,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        mb=mb,
+        cfg=cfg,
+        tally=tally,
+        token_means=token_means,
+    )
     out = actor_loss(
         logprobs=logprobs,
         old_logprobs=old_logprobs,
         advantages=mb_tensors["advantages"],
-        response_mask=mb.response_mask,
+        response_mask=loss_mask,
+        is_weights=is_weights,
         entropy=entropy,
         ref_logprobs=mb_tensors.get("ref_logprobs"),
         clip_low=cfg.clip_low,
@@ -343,6 +375,53 @@ def _actor_micro_step(
         "actor/entropy": float(out.entropy),
         "actor/kl_loss": float(out.kl_loss),
     }
+
+
+def _correct(
+    mb_tensors: dict[str, Tensor],
+    *,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    mb: PackedBatch,
+    cfg: ActorUpdateSettings,
+    tally: _Tally,
+    token_means: dict[str, float],
+) -> tuple[Tensor, Tensor | None]:
+    """The off-policy correction of one micro-batch (``tasks.update.correction``): its loss mask
+    (b, T) and importance weights (b, T) (None: no weighting); its ``rollout_corr/*`` means go
+    into ``token_means``, its maximum into ``tally``. Without the behaviour policy's log-probs:
+    the batch's own mask, no weights.
+
+    The proximal policy π_old is ``old_logprobs`` (stored, or the first forward pass's detached)
+    against the behaviour policy's ``rollout_logprobs``; with ``cfg.old_is_rollout`` the
+    old_logprobs ARE the behaviour policy's, and the current policy (detached) is compared with
+    them: masks apply, weights do not (the clipped ratio already is π_θ / π_rollout).
+    """
+    behaviour = old_logprobs if cfg.old_is_rollout else mb_tensors.get("rollout_logprobs")
+    if behaviour is None:
+        return mb.response_mask, None
+    proximal = logprobs.detach() if cfg.old_is_rollout else old_logprobs  # (b, T)
+    correction = rollout_correction(
+        old_logprobs=proximal,
+        rollout_logprobs=behaviour,
+        response_mask=mb.response_mask,
+        mode=cfg.rollout_correction,
+        cap=cfg.correction_cap,
+        low=cfg.correction_low,
+        high=cfg.correction_high,
+    )
+    gap = rollout_gap(
+        old_logprobs=proximal,
+        rollout_logprobs=behaviour,
+        response_mask=mb.response_mask,
+        correction=correction,
+    ).metrics()
+    tally.add_max(**{"rollout_corr/is_weight_max": gap.pop("rollout_corr/is_weight_max")})
+    token_means.update(gap)
+    if cfg.rollout_correction == "none":
+        return mb.response_mask, None
+    weighted = cfg.rollout_correction.endswith("_truncate") and not cfg.old_is_rollout
+    return correction.keep_mask, correction.weights if weighted else None
 
 
 def _micro_batch(
@@ -470,6 +549,7 @@ def actor_update(
     old_logprobs: Tensor | None,
     advantages: Tensor,
     ref_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
     cfg: ActorUpdateSettings,
     scheduler: Scheduler | None = None,
     grad_reducer: GradReducer | None = None,
@@ -478,11 +558,14 @@ def actor_update(
     micro_batch_count: MicroBatchCount | None = None,
     grad_sync: GradSync | None = None,
 ) -> dict[str, float]:
-    """PPO epochs over `batch`; old_logprobs, advantages, ref_logprobs are (B, T).
+    """PPO epochs over `batch`; old_logprobs, advantages, ref_logprobs, rollout_logprobs are (B, T).
 
     `old_logprobs=None` is allowed for a single optimizer step (one epoch, one mini-batch): the
     step's own forward pass, detached, is then the old policy (ratio 1, the same gradient as a
     recomputed old_logprobs), and with `ref_logprobs` the metric actor/kl_to_ref (k1) is logged.
+    `rollout_logprobs` (the behaviour policy's) drive `cfg.rollout_correction` and the
+    `rollout_corr/*` metrics (see `_correct`); with `cfg.old_is_rollout` old_logprobs are
+    the behaviour policy's.
 
     1. Split rows into mini-batches (one optimizer step each) and fix each one's denominator.
     2. Per mini-batch: forward/backward every micro-batch with that denominator. Micro-batches
@@ -506,6 +589,15 @@ def actor_update(
         )
     if ref_logprobs is not None:
         per_token["ref_logprobs"] = ref_logprobs
+    if rollout_logprobs is not None:
+        per_token["rollout_logprobs"] = rollout_logprobs
+    behaviour = old_logprobs if cfg.old_is_rollout else rollout_logprobs
+    if behaviour is None and (cfg.old_is_rollout or cfg.rollout_correction != "none"):
+        raise ValueError(
+            f"rollout_correction={cfg.rollout_correction!r} (old_is_rollout="
+            f"{cfg.old_is_rollout}) needs the behaviour policy's log-probs: pass "
+            "rollout_logprobs (or old_logprobs with old_is_rollout)"
+        )
     _check_per_token(batch, per_token)
 
     loop = _Epochs(

@@ -10,10 +10,16 @@ object store when the rollout has its own pool).
 
 Data-parallel workers each see ``1 / world_size`` of every mini-batch, so their mini/micro
 batch sizes are the configured (global) ones divided by the world size (``actor_settings``).
+
+The actor's loss is corrected against the behaviour policy's ``rollout_logprobs`` as the step
+plan says (``StepPlan.rollout_correction``, ``tasks.update.correction``), and rows the plan
+masks (``truncated``, with ``rollout.mask_truncated``) leave the actor's loss mask only: their
+advantages were already computed with their group, and the critic still fits them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -26,9 +32,11 @@ from infra.config import OptimConfig, TrainConfig
 from infra.training import gradient_sync
 from infra.workers import ModelWorker
 from storage import BatchMeta
+from tasks.batching import PackedBatch
 from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.io import padded
 from tasks.logprobs.stage import agree_count, read_packed
+from tasks.plan import StepPlan
 from tasks.update.optimize import (
     ActorUpdateSettings,
     CriticUpdateSettings,
@@ -45,12 +53,17 @@ def _per_worker(opt: OptimConfig, world: int) -> dict[str, int]:
     return {"ppo_epochs": opt.ppo_epochs, "mini_batch_size": mini, "micro_batch_size": micro}
 
 
-def actor_settings(cfg: TrainConfig, world: int) -> ActorUpdateSettings:
+def actor_settings(
+    cfg: TrainConfig, world: int, plan: StepPlan | None = None
+) -> ActorUpdateSettings:
     """One worker's actor update, every field from ``cfg``: ``actor.*``, the entropy and KL
     loss of ``algorithm.*``, and the rollout's sampling temperature (greedy, 0, divides the
-    logits by 1). Rows keep their order (no shuffle): each mini-batch's loss denominator is
+    logits by 1); the off-policy correction and which field is π_old from the step ``plan``
+    (None: ``cfg``'s). Rows keep their order (no shuffle): each mini-batch's loss denominator is
     summed over the workers, which needs the same rows in it on every worker."""
     opt, algo = cfg.actor, cfg.algorithm
+    plan = StepPlan.from_config(cfg) if plan is None else plan
+    correction = algo.rollout_correction
     return ActorUpdateSettings(
         **_per_worker(opt, world),
         clip_low=opt.clip_low,
@@ -64,6 +77,11 @@ def actor_settings(cfg: TrainConfig, world: int) -> ActorUpdateSettings:
         temperature=cfg.rollout.temperature or 1.0,
         max_tokens_per_micro_batch=opt.max_tokens_per_micro_batch,
         shuffle_seed=None,
+        rollout_correction=plan.rollout_correction,
+        correction_cap=correction.cap,
+        correction_low=correction.low,
+        correction_high=correction.high,
+        old_is_rollout=plan.old_logprobs == "rollout_logprobs",
     )
 
 
@@ -124,10 +142,17 @@ def _update(
 ) -> dict[str, float]:
     batch = read_packed(worker, shard)
     data = worker.read(shard, tuple(fields))
+    truncated = data.pop("truncated", None)  # (B,) bool: rows left out of the actor's loss
     width = batch.response_mask.shape[1]
     given = {fields[name]: padded(value, width).float() for name, value in data.items()}
+    actor_batch = batch
+    if truncated is not None:
+        kept = batch.response_mask & ~truncated.to(torch.bool).unsqueeze(1)  # (B, T)
+        actor_batch = dataclasses.replace(batch, response_mask=kept)
 
-    def common(role: Any, settings: ActorUpdateSettings | CriticUpdateSettings) -> dict[str, Any]:
+    def common(
+        role: Any, settings: ActorUpdateSettings | CriticUpdateSettings, batch: PackedBatch
+    ) -> dict[str, Any]:
         """What the actor's and the critic's updates both take: the model of ``role``, its
         optimizer, the batch and the data-parallel reduction."""
         units = _global_units(worker, batch.response_mask, settings.mini_batch_size, settings.agg)
@@ -149,10 +174,11 @@ def _update(
     with worker.awake("actor") as model:
         metrics.update(
             actor_update(
-                **common(model, actor),
+                **common(model, actor, actor_batch),
                 old_logprobs=given.get("old_logprobs"),
                 advantages=given["advantages"],
                 ref_logprobs=given.get("ref_logprobs"),
+                rollout_logprobs=given.get("rollout_logprobs"),
                 cfg=actor,
             )
         )
@@ -160,7 +186,7 @@ def _update(
         with worker.awake("critic") as model:
             metrics.update(
                 critic_update(
-                    **common(model, critic),
+                    **common(model, critic, batch),
                     old_values=given["values"],
                     returns=given["returns"],
                     cfg=critic,
@@ -171,17 +197,23 @@ def _update(
 
 
 # Each data-parallel worker returns its SHARE of these losses (divided by the global token or
-# sequence count): the batch's loss is their sum. Every other metric is a per-worker mean of
-# equal-sized shards (or the same on every worker, like the all-reduced grad norm): averaged.
+# sequence count): the batch's loss is their sum. The MAXIMA are each worker's largest value:
+# the batch's is their max. Every other metric is a per-worker mean of equal-sized shards (or
+# the same on every worker, like the all-reduced grad norm): averaged.
 SHARED_LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss")
+MAXIMA = ("rollout_corr/is_weight_max",)
 
 
 def combine_worker_metrics(results: list[dict[str, float]]) -> dict[str, float]:
-    """One batch's metrics from the data-parallel workers' (see ``SHARED_LOSSES``)."""
-    return {
-        key: sum(r[key] for r in results) / (1 if key in SHARED_LOSSES else len(results))
-        for key in results[0]
-    }
+    """One batch's metrics from the data-parallel workers' (see ``SHARED_LOSSES``, ``MAXIMA``)."""
+
+    def combine(key: str) -> float:
+        values = [r[key] for r in results]
+        if key in MAXIMA:
+            return max(values)
+        return sum(values) / (1 if key in SHARED_LOSSES else len(values))
+
+    return {key: combine(key) for key in results[0]}
 
 
 def sync_rollout_weights(ctx: StageContext) -> None:
@@ -207,7 +239,7 @@ def update(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
         meta,
         step=step,
         fields=ctx.plan.update_fields,
-        actor=actor_settings(ctx.cfg, world),
+        actor=actor_settings(ctx.cfg, world, ctx.plan),
         critic=critic_settings(ctx.cfg, world) if ctx.plan.critic else None,
     )
     # 2. Weight sync; the metrics: losses summed over the workers' shares, the rest averaged.

@@ -13,6 +13,7 @@ import pytest
 from infra import pretrain
 from infra.config import TrainConfig, load_config
 from infra.pretrain import RewardModelSettings, SFTSettings
+from tasks.plan import StepPlan
 from tasks.update import (
     ActorUpdateSettings,
     CriticUpdateSettings,
@@ -29,6 +30,11 @@ CHANGED = [
     "algorithm.entropy_coef=0.01",
     "algorithm.kl.loss_coef=0.1",
     "algorithm.kl.loss_kind=k2",
+    "algorithm.rollout_correction.mode=geometric_mask",
+    "algorithm.rollout_correction.cap=3.0",
+    "algorithm.rollout_correction.low=0.25",
+    "algorithm.rollout_correction.high=4.0",
+    "algorithm.old_logprobs=rollout",
     "warmstart.sft_steps=11",
     "warmstart.sft_max_seconds=5",
     "warmstart.rm_steps=7",
@@ -69,7 +75,9 @@ def test_the_changed_config_changes_every_value_it_names() -> None:
 
 def test_actor_settings_are_the_configs_values(cfg: TrainConfig) -> None:
     opt, algo = cfg.actor, cfg.algorithm
-    assert asdict(actor_settings(cfg, 1)) == {
+    correction, plan = algo.rollout_correction, StepPlan.from_config(cfg)
+    assert actor_settings(cfg, 1) == actor_settings(cfg, 1, plan)  # no plan: the config's
+    assert asdict(actor_settings(cfg, 1, plan)) == {
         "ppo_epochs": opt.ppo_epochs,
         "mini_batch_size": opt.mini_batch_size,
         "micro_batch_size": opt.micro_batch_size,
@@ -84,6 +92,11 @@ def test_actor_settings_are_the_configs_values(cfg: TrainConfig) -> None:
         "max_grad_norm": opt.max_grad_norm,
         "temperature": cfg.rollout.temperature,
         "shuffle_seed": None,  # rows in order: the workers sum each mini-batch's denominator
+        "rollout_correction": plan.rollout_correction,  # the config's mode, auto resolved
+        "correction_cap": correction.cap,
+        "correction_low": correction.low,
+        "correction_high": correction.high,
+        "old_is_rollout": algo.old_logprobs == "rollout",
     }
 
 
@@ -151,8 +164,9 @@ def test_loss_settings_are_required_keywords(loss: Callable[..., Any]) -> None:
         for name, parameter in inspect.signature(loss).parameters.items()
         if parameter.default is not inspect.Parameter.empty
     }
-    # Optional inputs, not settings: the entropy and reference terms, the global denominator.
-    assert optional <= {"entropy", "ref_logprobs", "loss_denominator"}
+    # Optional inputs, not settings: the entropy and reference terms, the global denominator,
+    # the off-policy correction's importance weights.
+    assert optional <= {"entropy", "ref_logprobs", "loss_denominator", "is_weights"}
 
 
 def test_the_default_preset_is_the_default_config() -> None:

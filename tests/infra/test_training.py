@@ -71,6 +71,11 @@ for run in job["runs"]:
         max_grad_norm=1.0,
         temperature=1.0,
         shuffle_seed=None,
+        rollout_correction="none",
+        correction_cap=2.0,
+        correction_low=0.5,
+        correction_high=2.0,
+        old_is_rollout=False,
     )
     for _ in range(run["steps"]):
         actor_update(

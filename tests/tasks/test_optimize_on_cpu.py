@@ -120,6 +120,11 @@ def actor_settings(agg: str, micro: int, mini: int = 8, **extra: object) -> Acto
         "max_grad_norm": 0.5,
         "temperature": 0.9,
         "shuffle_seed": None,
+        "rollout_correction": "none",
+        "correction_cap": 2.0,
+        "correction_low": 0.5,
+        "correction_high": 2.0,
+        "old_is_rollout": False,
     }
     base.update(extra)
     return ActorUpdateSettings(**base)  # type: ignore[arg-type]

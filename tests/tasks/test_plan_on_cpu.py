@@ -75,3 +75,37 @@ def test_a_kl_loss_makes_the_update_read_the_reference() -> None:
         load_config(None, ["algorithm.kl.loss_coef=0.1", "algorithm.old_logprobs=recompute"])
     )
     assert plan.kl_loss and "ref_logprobs" in plan.update_fields
+
+
+@pytest.mark.parametrize(
+    ("overrides", "resolved"),
+    [
+        ([], "none"),  # sync, the transformers engine, float32: the trainer's own numbers
+        (["rollout.engine=vllm"], "token_truncate"),
+        (["models.dtype=bfloat16"], "token_truncate"),
+        (["resources.mode=colocate_async"], "token_truncate"),
+        (["resources.mode=separate_async", "reward.pool=own"], "token_truncate"),
+        (["algorithm.rollout_correction.mode=sequence_mask"], "sequence_mask"),
+        (["rollout.engine=vllm", "algorithm.rollout_correction.mode=none"], "none"),
+    ],
+)
+def test_auto_rollout_correction_is_resolved_once_in_the_plan(
+    overrides: list[str], resolved: str
+) -> None:
+    plan = StepPlan.from_config(load_config(None, overrides))
+    assert plan.rollout_correction == resolved
+
+
+@pytest.mark.parametrize("old", ["auto", "recompute"])
+def test_the_update_reads_the_behaviour_policy_under_its_own_name(old: str) -> None:
+    """For the correction and the rollout_corr/* metrics, every step; with
+    old_logprobs=rollout it already reads them, as its old policy."""
+    plan = StepPlan.from_config(load_config(None, [f"algorithm.old_logprobs={old}"]))
+    assert plan.update_fields["rollout_logprobs"] == "rollout_logprobs"
+
+
+def test_mask_truncated_makes_the_update_read_truncated() -> None:
+    off = StepPlan.from_config(load_config(None, []))
+    assert not off.mask_truncated and "truncated" not in off.update_fields
+    on = StepPlan.from_config(load_config(None, ["rollout.mask_truncated=true"]))
+    assert on.mask_truncated and on.update_fields["truncated"] == "truncated"
