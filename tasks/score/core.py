@@ -1,10 +1,13 @@
-"""Score assembly: one reward-model score per sample → token-level rows.
+"""Score assembly: one reward-model score per sample → token-level rows; response truncation
+and the overlong penalty.
 
 A sample's score belongs to its last real response token. An EMPTY response (length 0) has no
 such token: its dense row is all zeros and its jagged row is empty — never index −1.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -15,8 +18,10 @@ __all__ = [
     "assemble_rm_scores",
     "find_nonfinite",
     "lengths_to_mask",
+    "overlong_penalty",
     "place_scores",
     "score_metrics",
+    "truncated_rows",
 ]
 
 
@@ -80,3 +85,36 @@ def score_metrics(*, scores: Tensor, response_lengths: Tensor) -> dict[str, floa
         "critic/score/min": float(as_float.min()),
         "response/empty_ratio": float((response_lengths == 0).double().mean()),
     }
+
+
+def truncated_rows(
+    *, response_ids: Sequence[Tensor], eos_ids: Sequence[int], max_new_tokens: int
+) -> Tensor:
+    """(B,) bool: True for a response cut at the cap, i.e. ``max_new_tokens`` tokens long with a
+    last token that is not one of ``eos_ids`` (a response that ends on EOS at the cap is whole)."""
+    eos = torch.tensor(list(eos_ids), dtype=torch.int64)  # (E,)
+    return torch.tensor(
+        [
+            int(row.numel()) >= max_new_tokens and not bool((eos == int(row[-1])).any())
+            for row in response_ids
+        ],
+        dtype=torch.bool,
+    )  # (B,)
+
+
+def overlong_penalty(
+    *, response_lengths: Tensor, max_new_tokens: int, buffer_length: int, penalty: float
+) -> Tensor:
+    """(B,) float32: what each response loses from its score (DAPO's soft overlong punishment).
+
+    A response longer than ``max_new_tokens − buffer_length`` loses ``penalty · excess /
+    buffer_length``, growing linearly to ``penalty`` at the cap; ``buffer_length`` 0 is off.
+    """
+    if buffer_length == 0:
+        return torch.zeros(response_lengths.shape, dtype=torch.float32)  # (B,)
+    if not 0 < buffer_length < max_new_tokens:
+        raise ValueError(
+            f"buffer_length ({buffer_length}) must lie in (0, max_new_tokens={max_new_tokens})"
+        )
+    excess = (response_lengths - (max_new_tokens - buffer_length)).clamp(min=0)  # (B,)
+    return penalty * excess.to(torch.float32) / buffer_length  # (B,)

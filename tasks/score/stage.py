@@ -18,7 +18,13 @@ The per-sample score is
   and ``extra_info`` from the store.
 - the built-in task's rule (``reward.rule``) is computed on the workers as the honest metric.
 
-The task then writes ``scores`` (and ``rule_scores``). A NaN/inf reward-model score fails the
+A training batch's ``scores`` then lose the overlong penalty (``reward.overlong_buffer``,
+``tasks.score.core.overlong_penalty``; validation scores do not), and with
+``rollout.mask_truncated`` the task writes ``truncated`` (dense bool: the response was cut at
+``rollout.max_new_tokens`` without EOS, ``truncated_rows`` on the workers, which know the EOS ids)
+for the update to leave those rows out of the actor's loss.
+
+The task then writes ``scores`` (and ``rule_scores``, ``truncated``). A NaN/inf reward-model score fails the
 worker's shard naming its sample keys before it writes anything, and a failing reward function
 fails the task; ``scores`` is written only when every part succeeded. Rows already scored (a
 partition checkpointed in flight by ``separate_async``'s producer, then resumed) are not scored
@@ -41,7 +47,13 @@ from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.io import lengths, nested, read, rows, write
 from tasks.plan import Scoring
 from tasks.rewards import RULES
-from tasks.score.core import assemble_rm_scores, find_nonfinite, score_metrics
+from tasks.score.core import (
+    assemble_rm_scores,
+    find_nonfinite,
+    overlong_penalty,
+    score_metrics,
+    truncated_rows,
+)
 
 if TYPE_CHECKING:
     from infra.reward_functions import FunctionScores
@@ -59,6 +71,7 @@ class ShardScores:
     """A scoring worker's reply for its shard: per-sample scalars, no token data."""
 
     response_lengths: list[int]
+    response_truncated: list[bool]  # cut at rollout.max_new_tokens without EOS
     rm: list[float] | None = None  # the reward model's score, when the worker holds one
     truncated: int = 0  # samples whose reward-model input was cut to reward.max_length
     rule: list[float] | None = None  # reward.rule against ground_truth, when asked
@@ -79,7 +92,12 @@ def score_rows(
     data = worker.read(shard, names)
     responses = rows(data["response_ids"])
     n = lengths(data["response_ids"])
-    out = ShardScores(response_lengths=n.tolist())
+    cut = truncated_rows(
+        response_ids=responses,
+        eos_ids=worker.eos_ids,
+        max_new_tokens=worker.cfg.rollout.max_new_tokens,
+    )  # (B,)
+    out = ShardScores(response_lengths=n.tolist(), response_truncated=cut.tolist())
     if model:
         with worker.awake("reward") as scorer:
             scored = scorer.score(
@@ -122,6 +140,7 @@ class Scores:
 
     total: torch.Tensor  # (B,)
     response_lengths: torch.Tensor  # (B,)
+    response_truncated: torch.Tensor  # (B,) bool
     rm: torch.Tensor | None = None  # (B,)
     rule: torch.Tensor | None = None  # (B,)
     functions: FunctionScores | None = None
@@ -177,6 +196,9 @@ def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scor
         response_lengths=torch.tensor(
             [n for p in parts for n in p.response_lengths], dtype=torch.int64
         ),
+        response_truncated=torch.tensor(
+            [c for p in parts for c in p.response_truncated], dtype=torch.bool
+        ),
     )
     # 1. The reward model, if any.
     if scoring.model_weight is not None:
@@ -204,23 +226,36 @@ def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scor
 @faults_at("score", lambda ctx: scoring_group(ctx, ctx.plan.scoring))
 def score(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
     scoring = ctx.plan.scoring
-    names = scoring.writes
+    names = scoring.writes + (("truncated",) if ctx.plan.mask_truncated else ())
     # 0. Scored before a restart (a partition checkpointed in flight): nothing to redo.
     done = ctx.rt.store.kv_list(meta.partition_id)
     if meta.keys and all(set(names) <= set(done.get(k, ())) for k in meta.keys):
         return StageResult(meta.with_fields(*names))
     # 1. Score on the workers (they write rm_scores; raises, writing no scores, when a reward fails).
     scores = compute_scores(ctx, meta, scoring)
+    # 2. The overlong penalty (a training batch's only).
+    buffer = ctx.cfg.reward.overlong_buffer
+    lost = overlong_penalty(
+        response_lengths=scores.response_lengths,
+        max_new_tokens=ctx.cfg.rollout.max_new_tokens,
+        buffer_length=buffer.length,
+        penalty=buffer.penalty,
+    )  # (B,)
+    scores.total = scores.total - lost
     metrics = {
         **score_metrics(scores=scores.total, response_lengths=scores.response_lengths),
         **scores.metrics,
         "response_length/mean": float(scores.response_lengths.float().mean()),
         "response_length/max": float(scores.response_lengths.max()),
         "perf/total_num_tokens": float(scores.response_lengths.sum()),
+        "response/truncated_fraction": float(scores.response_truncated.double().mean()),
+        "reward/overlong_penalty/mean": float(lost.double().mean()),
     }
-    # 2. Write the per-sample totals.
+    # 3. Write the per-sample totals (and which responses were cut).
     fields: dict[str, torch.Tensor] = {"scores": scores.total}
     if scores.rule is not None:
         fields["rule_scores"] = scores.rule
+    if ctx.plan.mask_truncated:
+        fields["truncated"] = scores.response_truncated
     write(ctx, meta, fields)
     return StageResult(meta.with_fields(*names), metrics)
