@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,73 +68,101 @@ def _final_weights(run_dir: Path, steps: int = STEPS) -> dict[str, torch.Tensor]
     )
 
 
-@pytest.mark.slow
-def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(
-    assets, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference: the run of ``STEPS`` steps, uninterrupted (its run directory)."""
+    ref_dir = tmp_path_factory.mktemp("kill-resume") / "uninterrupted"
     tmp = Path(tempfile.mkdtemp(prefix="kr", dir="/tmp"))
     try:
-        # 1. The reference: an uninterrupted run.
-        ref_dir = tmp_path / "uninterrupted"
         subprocess.run(
             _command(assets, ref_dir), env=_env(tmp), check=True, timeout=600, capture_output=True
         )
-        # 2. The same run, killed with SIGKILL once three steps are logged (step 3 is then in flight).
-        run_dir = tmp_path / "killed"
-        proc = subprocess.Popen(
-            _command(assets, run_dir), env=_env(tmp), start_new_session=True,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        _kill_everything_under(tmp)
-        assert not (run_dir / "checkpoints" / f"step-{STEPS - 1:06d}").exists()
-        # 3. Resume (trainer.resume=auto is the default) and compare the final weights.
-        done = subprocess.run(
-            _command(assets, run_dir), env=_env(tmp), timeout=600, capture_output=True, text=True
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert '"first_step": 2' in done.stdout or '"first_step": 4' in done.stdout, done.stdout[
-            -2000:
-        ]
-        _assert_same_weights(ref_dir, run_dir)
-        # 4. The flow process exits while the step-3 checkpoint is half written; the rerun
-        # resumes from step 1's checkpoint, never from the half-written one.
-        exit_dir = tmp_path / "exited"
-        fault = "faults=[{stage: checkpoint, step: 3, action: exit_flow}]"
-        code, output = _run_to_exit(_command(assets, exit_dir, fault), _env(tmp), tmp, tmp_path)
-        assert code == EXIT_STATUS, output[-3000:]
-        names = sorted(p.name for p in (exit_dir / "checkpoints").iterdir())
-        assert names == ["step-000001", "step-000003.tmp"], names
-        code, output = _run_to_exit(_command(assets, exit_dir, fault), _env(tmp), tmp, tmp_path)
-        assert code == 0, output[-3000:]
-        assert '"first_step": 2' in output, output[-2000:]
-        _assert_same_weights(ref_dir, exit_dir)
-        # 5. The Prefect server the run reports to is stopped after its first step: training
-        # goes on without it to the end of this run's 4 steps and checkpoints; the command
-        # exits 1 naming the checkpoint; a later run (no server: a temporary one) resumes.
-        away_dir = tmp_path / "server-away"
-        command = _command(assets, away_dir, "trainer.steps_per_run=4")
-        _server_goes_away(command, away_dir / "metrics.jsonl", tmp, tmp_path)
-        rows = (away_dir / "metrics.jsonl").read_text().splitlines()
-        assert len(rows) == 4, rows
-        actor = away_dir / "checkpoints" / "step-000003" / "workers" / "actor"
-        from transformers import AutoModelForCausalLM
-
-        AutoModelForCausalLM.from_pretrained(actor)  # the checkpoint is usable as it is
-        code, output = _run_to_exit(_command(assets, away_dir), _env(tmp), tmp, tmp_path)
-        assert code == 0, output[-3000:]
-        assert '"first_step": 4' in output, output[-2000:]
-        _assert_same_weights(ref_dir, away_dir)
     finally:
         _kill_everything_under(tmp)
+    return ref_dir
+
+
+@pytest.fixture
+def private_tmp() -> Iterator[Path]:
+    """A short private temp dir for a run's Ray sockets; whatever runs under it is killed after."""
+    tmp = Path(tempfile.mkdtemp(prefix="kr", dir="/tmp"))
+    try:
+        yield tmp
+    finally:
+        _kill_everything_under(tmp)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(
+    assets, uninterrupted: Path, private_tmp: Path, tmp_path: Path
+) -> None:
+    tmp = private_tmp
+    # 1. The run, killed with SIGKILL once three steps are logged (step 3 is then in flight).
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _command(assets, run_dir), env=_env(tmp), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    _kill_everything_under(tmp)
+    assert not (run_dir / "checkpoints" / f"step-{STEPS - 1:06d}").exists()
+    # 2. Resume (trainer.resume=auto is the default) and compare the final weights.
+    done = subprocess.run(
+        _command(assets, run_dir), env=_env(tmp), timeout=600, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert '"first_step": 2' in done.stdout or '"first_step": 4' in done.stdout, done.stdout[-2000:]
+    _assert_same_weights(uninterrupted, run_dir)
+
+
+@pytest.mark.slow
+def test_a_flow_exiting_mid_checkpoint_resumes_from_the_last_whole_one(
+    assets, uninterrupted: Path, private_tmp: Path, tmp_path: Path
+) -> None:
+    """The flow process exits while the step-3 checkpoint is half written; the rerun resumes
+    from step 1's checkpoint, never from the half-written one."""
+    exit_dir = tmp_path / "exited"
+    fault = "faults=[{stage: checkpoint, step: 3, action: exit_flow}]"
+    env = _env(private_tmp)
+    code, output = _run_to_exit(_command(assets, exit_dir, fault), env, private_tmp, tmp_path)
+    assert code == EXIT_STATUS, output[-3000:]
+    names = sorted(p.name for p in (exit_dir / "checkpoints").iterdir())
+    assert names == ["step-000001", "step-000003.tmp"], names
+    code, output = _run_to_exit(_command(assets, exit_dir, fault), env, private_tmp, tmp_path)
+    assert code == 0, output[-3000:]
+    assert '"first_step": 2' in output, output[-2000:]
+    _assert_same_weights(uninterrupted, exit_dir)
+
+
+@pytest.mark.slow
+def test_a_run_whose_server_goes_away_checkpoints_and_a_later_run_resumes(
+    assets, uninterrupted: Path, private_tmp: Path, tmp_path: Path
+) -> None:
+    """The Prefect server the run reports to is stopped after its first step: training goes on
+    without it to the end of this run's 4 steps and checkpoints; the command exits 1 naming the
+    checkpoint; a later run (no server: a temporary one) resumes."""
+    away_dir = tmp_path / "server-away"
+    command = _command(assets, away_dir, "trainer.steps_per_run=4")
+    _server_goes_away(command, away_dir / "metrics.jsonl", private_tmp, tmp_path)
+    rows = (away_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 4, rows
+    actor = away_dir / "checkpoints" / "step-000003" / "workers" / "actor"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(actor)  # the checkpoint is usable as it is
+    env = _env(private_tmp)
+    code, output = _run_to_exit(_command(assets, away_dir), env, private_tmp, tmp_path)
+    assert code == 0, output[-3000:]
+    assert '"first_step": 4' in output, output[-2000:]
+    _assert_same_weights(uninterrupted, away_dir)
 
 
 def _assert_same_weights(ref_dir: Path, run_dir: Path) -> None:
