@@ -155,6 +155,7 @@ VOCABULARY: Mapping[str, FieldSpec] = MappingProxyType(
         "scores": FieldSpec.dense(torch.float32),
         "rule_scores": FieldSpec.dense(torch.float32),
         "rollout_version": FieldSpec.dense(torch.int64),
+        "truncated": FieldSpec.dense(torch.bool),  # the response was cut at the token cap
     }
 )
 
