@@ -60,13 +60,13 @@ def test_a_late_reply_a_raising_stage_a_lost_store_shard_and_a_dead_worker_end_w
     run_dir = tmp_path / "faulty"
     faults = (
         "faults=["
-        "{stage: update, step: 1, action: delay, seconds: 8},"
+        "{stage: update, step: 1, action: delay, seconds: 20},"
         "{stage: score, step: 2, action: raise},"
         "{stage: advantage, step: 2, action: kill_store_shard},"
         "{stage: update, step: 3, action: kill_worker}]"
     )
     state = _flow(
-        tiny_overrides, run_dir, faults, "orchestration.call_timeout_s=5", "trainer.max_restarts=2"
+        tiny_overrides, run_dir, faults, "orchestration.call_timeout_s=12", "trainer.max_restarts=2"
     )
     assert state.is_completed(), state.message
     _assert_same_weights(fault_free, run_dir)
