@@ -18,8 +18,8 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
