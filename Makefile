@@ -3,9 +3,12 @@
 #   make test    – builds .venv, then runs the fast CPU test tier
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Test processes (pytest-xdist): each takes whole test modules, so a module's fixtures are built once.
+JOBS ?= 3
+PYTEST := $(PY) -m pytest -q -n $(JOBS) --dist loadfile
 STAMP := $(VENV)/.installed
 
-.PHONY: venv train test test-all lint typecheck bench-store bench-algos bench-pipeline bench-memory clean
+.PHONY: venv train test test-slow test-all lint typecheck bench-store bench-algos bench-pipeline bench-memory clean
 
 venv: $(STAMP)
 
@@ -22,10 +25,13 @@ train: venv
 	$(VENV)/bin/ppoflow train $(ARGS)
 
 test: venv
-	$(PY) -m pytest -q $(ARGS)
+	$(PYTEST) $(ARGS)
+
+test-slow: venv
+	$(PYTEST) -m slow $(ARGS)
 
 test-all: venv
-	$(PY) -m pytest -q -m '' $(ARGS)
+	$(PYTEST) -m '' $(ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -49,6 +55,16 @@ bench-pipeline: venv
 
 bench-memory: venv
 	$(PY) benchmarks/memory.py
+
+# gpu-wheels: the wheels benchmarks/gpu_check_device.py needs on a CUDA machine without a registry
+# that already has torch, transformers, peft, pyarrow and pytest (CPython 3.12, x86-64 Linux),
+# pinned by .ci/constraints.txt, into .gpu-wheels/ (see that script's docstring).
+GPU_WHEELS := pydantic pydantic_core annotated-types typing-inspection tensordict cloudpickle pyvers
+.PHONY: gpu-wheels
+gpu-wheels: venv
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --no-deps -c .ci/constraints.txt -d .gpu-wheels $(GPU_WHEELS)
+	@du -ch .gpu-wheels/*.whl | tail -1
 
 clean:
 	rm -rf $(VENV) runs .ppoflow
