@@ -6,8 +6,8 @@ modules ``tasks.*.stage`` import Prefect (and ``tasks.io`` imports Ray through
 ``tasks.context``), so this script calls what their worker-side steps call instead: the
 engine's ``generate``, the scorer's ``score``, ``tasks.batching.gather_response_logprobs`` (the
 gather of ``tasks.logprobs.stage.response_logprobs``) and ``tasks.update.optimize.actor_update``
-with ``ActorUpdateSettings`` built from the config as ``tasks.update.stage.actor_settings``
-builds them for one worker. Models are built locally (nothing is downloaded): a Qwen2-style
+with ``ActorUpdateSettings`` built from the config by ``tasks.update.settings.actor_settings``
+(what the update stage uses; it imports neither Prefect nor Ray). Models are built locally (nothing is downloaded): a Qwen2-style
 causal LM from its config alone (random init, ``save_pretrained`` then ``from_pretrained``) with
 a byte-level tokenizer (``tokenizers``), and ``infra.assets``' tiny Llama policy and reward model.
 
@@ -267,33 +267,10 @@ def release(*workers: Any) -> None:
 
 
 def actor_settings(cfg: Any) -> Any:
-    """One worker's ``ActorUpdateSettings`` from ``cfg``, as ``tasks.update.stage.actor_settings``
-    makes them for one worker (that module imports Prefect)."""
-    from tasks.plan import StepPlan
-    from tasks.update.optimize import ActorUpdateSettings
+    """One worker's ``ActorUpdateSettings`` from ``cfg``, as the update stage builds them."""
+    from tasks.update.settings import actor_settings as settings
 
-    opt, algo = cfg.actor, cfg.algorithm
-    return ActorUpdateSettings(
-        ppo_epochs=opt.ppo_epochs,
-        mini_batch_size=opt.mini_batch_size,
-        micro_batch_size=opt.micro_batch_size,
-        max_tokens_per_micro_batch=opt.max_tokens_per_micro_batch,
-        clip_low=opt.clip_low,
-        clip_high=opt.clip_high,
-        dual_clip=opt.dual_clip,
-        agg=opt.loss_agg,
-        entropy_coef=algo.entropy_coef,
-        kl_loss_coef=algo.kl.loss_coef,
-        kl_loss_kind=algo.kl.loss_kind,
-        max_grad_norm=opt.max_grad_norm,
-        temperature=cfg.rollout.temperature or 1.0,
-        shuffle_seed=None,
-        rollout_correction=StepPlan.from_config(cfg).rollout_correction,
-        correction_cap=algo.rollout_correction.cap,
-        correction_low=algo.rollout_correction.low,
-        correction_high=algo.rollout_correction.high,
-        old_is_rollout=False,
-    )
+    return settings(cfg, 1)
 
 
 def update(worker: Any, batch: Any, **tensors: torch.Tensor | None) -> dict[str, float]:

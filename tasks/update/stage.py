@@ -28,7 +28,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from torch import Tensor
 
-from infra.config import OptimConfig, TrainConfig
 from infra.training import gradient_sync
 from infra.workers import ModelWorker
 from storage import BatchMeta
@@ -36,7 +35,6 @@ from tasks.batching import PackedBatch
 from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.io import padded
 from tasks.logprobs.stage import agree_count, read_packed
-from tasks.plan import StepPlan
 from tasks.update.optimize import (
     ActorUpdateSettings,
     CriticUpdateSettings,
@@ -44,59 +42,7 @@ from tasks.update.optimize import (
     count_minibatch_units,
     critic_update,
 )
-
-
-def _per_worker(opt: OptimConfig, world: int) -> dict[str, int]:
-    """The epochs and the mini/micro batch sizes of one of ``world`` data-parallel workers."""
-    mini = max(opt.mini_batch_size // world, 1)
-    micro = min(max(opt.micro_batch_size // world, 1), mini)
-    return {"ppo_epochs": opt.ppo_epochs, "mini_batch_size": mini, "micro_batch_size": micro}
-
-
-def actor_settings(
-    cfg: TrainConfig, world: int, plan: StepPlan | None = None
-) -> ActorUpdateSettings:
-    """One worker's actor update, every field from ``cfg``: ``actor.*``, the entropy and KL
-    loss of ``algorithm.*``, and the rollout's sampling temperature (greedy, 0, divides the
-    logits by 1); the off-policy correction and which field is π_old from the step ``plan``
-    (None: ``cfg``'s). Rows keep their order (no shuffle): each mini-batch's loss denominator is
-    summed over the workers, which needs the same rows in it on every worker."""
-    opt, algo = cfg.actor, cfg.algorithm
-    plan = StepPlan.from_config(cfg) if plan is None else plan
-    correction = algo.rollout_correction
-    return ActorUpdateSettings(
-        **_per_worker(opt, world),
-        clip_low=opt.clip_low,
-        clip_high=opt.clip_high,
-        dual_clip=opt.dual_clip,
-        agg=opt.loss_agg,
-        entropy_coef=algo.entropy_coef,
-        kl_loss_coef=algo.kl.loss_coef,
-        kl_loss_kind=algo.kl.loss_kind,
-        max_grad_norm=opt.max_grad_norm,
-        temperature=cfg.rollout.temperature or 1.0,
-        max_tokens_per_micro_batch=opt.max_tokens_per_micro_batch,
-        shuffle_seed=None,
-        rollout_correction=plan.rollout_correction,
-        correction_cap=correction.cap,
-        correction_low=correction.low,
-        correction_high=correction.high,
-        old_is_rollout=plan.old_logprobs == "rollout_logprobs",
-    )
-
-
-def critic_settings(cfg: TrainConfig, world: int) -> CriticUpdateSettings:
-    """One worker's critic update, every field from ``critic.*`` (rows in order, as the
-    actor's)."""
-    opt = cfg.critic
-    return CriticUpdateSettings(
-        **_per_worker(opt, world),
-        clip_range=opt.value_clip,
-        agg=opt.loss_agg,
-        max_grad_norm=opt.max_grad_norm,
-        max_tokens_per_micro_batch=opt.max_tokens_per_micro_batch,
-        shuffle_seed=None,
-    )
+from tasks.update.settings import actor_settings, critic_settings
 
 
 def _global_units(
