@@ -156,6 +156,7 @@ VOCABULARY: Mapping[str, FieldSpec] = MappingProxyType(
         "rule_scores": FieldSpec.dense(torch.float32),
         "rollout_version": FieldSpec.dense(torch.int64),
         "truncated": FieldSpec.dense(torch.bool),  # the response was cut at the token cap
+        "reward_parts": FieldSpec.objects(),  # {part: unweighted value}: rm, rule, fn/<name>, ...
     }
 )
 

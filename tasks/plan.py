@@ -55,7 +55,7 @@ class Scoring:
     def writes(self) -> tuple[str, ...]:
         """The fields scoring a training batch writes."""
         return (
-            ("scores",)
+            ("scores", "reward_parts")
             + (("rm_scores",) if self.model_weight is not None else ())
             + (("rule_scores",) if self.rule else ())
         )

@@ -24,7 +24,10 @@ A training batch's ``scores`` then lose the overlong penalty (``reward.overlong_
 ``rollout.max_new_tokens`` without EOS, ``truncated_rows`` on the workers, which know the EOS ids)
 for the update to leave those rows out of the actor's loss.
 
-The task then writes ``scores`` (and ``rule_scores``, ``truncated``). A NaN/inf reward-model score fails the
+The task then writes ``scores`` (and ``rule_scores``, ``truncated``) and ``reward_parts``: per
+sample, each part's unweighted value by name (``rm``, ``rule``, ``fn/<name>`` with the names of
+the ``reward/fn/<name>/mean`` metrics, ``overlong_penalty``), which dynamic sampling and the
+saved samples read. A NaN/inf reward-model score fails the
 worker's shard naming its sample keys before it writes anything, and a failing reward function
 fails the task; ``scores`` is written only when every part succeeded. Rows already scored (a
 partition checkpointed in flight by ``separate_async``'s producer, then resumed) are not scored
@@ -146,6 +149,25 @@ class Scores:
     functions: FunctionScores | None = None
     metrics: Metrics = field(default_factory=dict)
 
+    def parts(self, overlong: torch.Tensor) -> list[dict[str, float]]:
+        """Per sample: each computed part's unweighted value by name (``reward_parts``)."""
+        named: dict[str, list[float]] = {}
+        if self.rm is not None:
+            named["rm"] = self.rm.tolist()
+        if self.rule is not None:
+            named["rule"] = self.rule.tolist()
+        if self.functions is not None:
+            from infra.reward_functions import function_names
+
+            fs = self.functions.scores
+            for name, values in zip(function_names(list(fs)), fs.values(), strict=True):
+                named[f"fn/{name}"] = list(values)
+        named["overlong_penalty"] = overlong.tolist()
+        return [
+            {name: float(values[i]) for name, values in named.items()}
+            for i in range(len(self.total))
+        ]
+
 
 def scoring_group(ctx: StageContext, scoring: Scoring) -> WorkerGroup:
     """The reward model's workers when it scores, else the rollout pool's."""
@@ -252,7 +274,7 @@ def score(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
         "reward/overlong_penalty/mean": float(lost.double().mean()),
     }
     # 3. Write the per-sample totals (and which responses were cut).
-    fields: dict[str, torch.Tensor] = {"scores": scores.total}
+    fields: dict[str, object] = {"scores": scores.total, "reward_parts": scores.parts(lost)}
     if scores.rule is not None:
         fields["rule_scores"] = scores.rule
     if ctx.plan.mask_truncated:

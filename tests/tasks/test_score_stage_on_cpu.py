@@ -19,6 +19,7 @@ def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
         "scores": torch.tensor([0.5, -0.5]),
         "rule_scores": torch.tensor([1.0, 0.0]),
         "rm_scores": [torch.tensor([0.0, 0.5]), torch.tensor([-0.5])],
+        "reward_parts": [{"rm": 0.5, "rule": 1.0}, {"rm": -0.5, "rule": 0.0}],
     }
     store.kv_batch_put(keys, partition, scored)
     # Reward workers that only record what they are asked to score.
@@ -28,7 +29,7 @@ def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
     meta = BatchMeta(partition_id=partition, keys=tuple(keys), fields=())
     out = score.fn(ctx, meta, 3)
     writes = ctx.plan.scoring.writes
-    assert writes == ("scores", "rm_scores", "rule_scores")
+    assert writes == ("scores", "reward_parts", "rm_scores", "rule_scores")
     assert set(writes) <= set(out.meta.fields)
     assert not out.metrics and not workers.asked  # nothing recomputed, nothing recorded
     # One key without scores: the whole batch goes to the reward workers again.
