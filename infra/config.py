@@ -575,6 +575,19 @@ class TrainerConfig(_Section):
             "update them. metrics.jsonl and the per-step event are written every step."
         ),
     )
+    save_samples: bool = Field(
+        True,
+        description=(
+            "Write each step's samples (prompt, response, score and reward parts) to "
+            "<run_dir>/samples/step_<N>.jsonl and show the latest in the <name>-samples "
+            "Prefect artifact; `ppoflow samples RUN_DIR` prints them."
+        ),
+    )
+    samples_per_step: int = Field(
+        64,
+        ge=1,
+        description="At most this many samples saved per step: whole groups first, in batch order.",
+    )
 
 
 class TrainConfig(_Section):
