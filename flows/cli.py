@@ -3,6 +3,7 @@
 ppoflow train [--config configs/grpo.yaml] [key=value ...]   # the training flow (embedded default without args)
 ppoflow config [--config configs/grpo.yaml] [key=value ...]  # the resolved config the run would use, as YAML
 ppoflow plot RUN_DIR                                          # reward/KL curves → RUN_DIR/curves.png
+ppoflow samples RUN_DIR [--step N] [--limit K]                # a step's samples: prompt, response, score
 ppoflow deploy [--prefect-yaml PATH]                          # register deployments with a Prefect server
 ppoflow serve [--name NAME ...]                               # serve deployments without a work pool
 ppoflow export RUN_DIR [--step N] --out DIR [--adapter-only]  # a checkpoint's policy as one HF folder
@@ -169,6 +170,26 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _samples(args: argparse.Namespace) -> int:
+    from flows.samples import (
+        SamplesNotFound,
+        format_samples,
+        latest_samples_step,
+        read_samples,
+        samples_path,
+    )
+
+    run_dir = Path(args.run_dir)
+    try:
+        step = latest_samples_step(run_dir) if args.step is None else args.step
+        samples = read_samples(run_dir, step, limit=args.limit)
+    except SamplesNotFound as exc:
+        print(f"ppoflow samples: {exc}", file=sys.stderr)
+        return 2
+    print(format_samples(samples, step, samples_path(run_dir, step)))
+    return 0
+
+
 def _deploy(args: argparse.Namespace) -> int:
     from flows.deploy import deploy_all
 
@@ -200,6 +221,13 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_defaults()
     parser = argparse.ArgumentParser(
@@ -222,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     plot = sub.add_parser("plot", help="plot reward and KL curves of a run")
     plot.add_argument("run_dir")
     plot.set_defaults(fn=_plot)
+    samples = sub.add_parser("samples", help="print a step's samples (prompt, response, score)")
+    samples.add_argument("run_dir", help="the run's directory (run_dir)")
+    samples.add_argument("--step", type=int, default=None, help="step (default: the latest)")
+    samples.add_argument("--limit", type=_positive, default=None, help="at most K samples")
+    samples.set_defaults(fn=_samples)
     deploy = sub.add_parser("deploy", help="register the deployments in prefect.yaml")
     deploy.add_argument(
         "--prefect-yaml", default=None, help="default: ./prefect.yaml, else the packaged one"

@@ -31,6 +31,7 @@ from flows.inputs import Datasets, heldout_rows
 from flows.producer import RolloutProducer
 from flows.report import RunReport
 from flows.reward_model import ResolvedModels
+from flows.samples import save_step_samples
 from infra.config import TrainConfig
 from infra.faults import FaultPlan, strike
 from infra.group import WorkerDied
@@ -236,6 +237,7 @@ class Trainer:
             self.submit_lock.notify_all()
         # 6. Wake/sleep seconds of the colocated roles (first training worker), then drop the partition.
         metrics.update(self.rt.train_group.call(ModelWorker.timing)[0])
+        save_step_samples(self.ctx, meta, step, self.run_dir)  # samples/step_<N>.jsonl
         self.rt.store.kv_clear(meta.partition_id)
         self.submitted.pop(step, None)
         metrics.update(timed.seconds)

@@ -1,12 +1,14 @@
 """What a user sees of a run: ``metrics.jsonl``, the experiment trackers of ``trainer.loggers``
-(flows/trackers.py), Prefect artifacts (metrics table, curves, progress, summary), one Prefect
-event per iteration (``ppoflow.iteration.completed``) and one per alert crossing
+(flows/trackers.py), Prefect artifacts (metrics table, curves, samples, progress, summary), one
+Prefect event per iteration (``ppoflow.iteration.completed``) and one per alert crossing
 (``ppoflow.metric.alert``, from ``trainer.alerts``).
 
 The curves artifact is markdown holding the reward/KL/validation plot as a PNG data URI (the
 Prefect UI renders ``data:image/...`` sources in markdown artifacts, and the image travels with
 the server's database, unlike a link to a file on the training machine). It is refreshed with
-the metrics table, at most every ``trainer.artifact_interval_s``, in place (one version).
+the metrics table, at most every ``trainer.artifact_interval_s``, in place (one version). The
+samples table (prompt, response, score, turns of the latest ``samples/step_<N>.jsonl``, see
+flows/samples.py) is refreshed with them too, a new version when that file has changed.
 
 Training never waits on the Prefect API: artifacts are updated by a thread of the report's own
 (in the flow run's context, the latest request winning), and when the API does not answer the
@@ -41,6 +43,13 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.events import emit_event
 
 from flows.plot import curves_png
+from flows.samples import (
+    drop_samples_from,
+    read_samples,
+    samples_path,
+    samples_table,
+    saved_steps,
+)
 from flows.trackers import JSONL, Tracker, TrackerRun, check_names, open_tracker
 from infra.config import AlertConfig
 
@@ -51,6 +60,7 @@ ALERT_EVENT = "ppoflow.metric.alert"
 RESTART_EVENT = "ppoflow.worker.restarted"
 API_BACKOFF_S = 30.0  # how long artifacts are skipped after the Prefect API did not answer
 CLOSE_WAIT_S = 30.0  # how long ``close`` waits for the last artifact update
+SAMPLE_ROWS = 32  # rows of the samples artifact
 TABLE_COLUMNS = (
     "step",
     "critic/score/mean",
@@ -113,6 +123,7 @@ class RunReport:
         self._published_at = -math.inf
         self._unpublished: int | None = None  # the last step not yet in the artifacts
         self.curves_id: UUID | None = None
+        self._samples_shown: tuple[int, int] | None = None  # (step, file mtime) in the artifact
         self._api_down_until = -math.inf  # artifacts are skipped until then (see the docstring)
         self._api_warned = False
         self._start_step = start_step
@@ -161,7 +172,9 @@ class RunReport:
         return trackers
 
     def _load(self, start_step: int) -> list[dict[str, Any]]:
-        """Rows of steps before ``start_step`` (later ones belong to an interrupted attempt)."""
+        """Rows of steps before ``start_step`` (later ones, and their samples files, belong to an
+        interrupted attempt)."""
+        drop_samples_from(self.run_dir, start_step)
         if not self.path.exists():
             return []
         rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
@@ -284,6 +297,25 @@ class RunReport:
             ),
         )
 
+    def _publish_samples(self) -> None:
+        """The samples table of the latest saved step, unless it shows that file already."""
+        steps = saved_steps(self.run_dir)
+        if not steps:
+            return
+        step = steps[-1]
+        shown = (step, samples_path(self.run_dir, step).stat().st_mtime_ns)
+        if shown == self._samples_shown:
+            return
+        table = samples_table(read_samples(self.run_dir, step, limit=SAMPLE_ROWS))
+        if not table:  # a step that kept no group: the last table stays
+            return
+        create_table_artifact(
+            table=table,
+            key=artifact_key(self.name, "samples"),
+            description=f"samples of step {step} of run {self.name} (ppoflow samples RUN_DIR)",
+        )
+        self._samples_shown = shown
+
     def _request(self) -> None:
         """Ask for an artifact update: on the publisher thread once started, else here."""
         if self._publisher is None:
@@ -358,6 +390,7 @@ class RunReport:
             description=f"per-step metrics of run {self.name}",
         )
         self._publish_curves(rows)
+        self._publish_samples()
         if self.progress_id is not None:
             update_progress_artifact(self.progress_id, progress=100.0 * (step + 1) / self.total)
         return True
