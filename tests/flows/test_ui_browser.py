@@ -3,8 +3,9 @@ the local server and keeps screenshots (tests/artifacts/, and docs/ui-run.png fo
 
 Uses Debian's ``chromium`` through Playwright's Python API (no browser download); skips with a
 message when either is missing. Asserts on page content: the stage task-run names and the
-metrics artifact key (the run graph is a canvas, so names are read from the Task Runs tab), and
-the curves artifact's embedded PNG, drawn by the browser (an ``<img>`` with a natural width).
+metrics artifact key (the run graph is a canvas, so names are read from the Task Runs tab), the
+curves artifact's embedded PNG, drawn by the browser (an ``<img>`` with a natural width), and the
+samples table with its columns and a prompt the run saved.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import pytest
 from server import REPO, LocalServer, TinyRun
+
+from flows.samples import read_samples, saved_steps
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -92,6 +95,19 @@ def test_ui_shows_stage_task_runs_and_metrics_artifact(
     )
     assert image.evaluate("img => img.naturalWidth") > 300
     page.screenshot(path=str(ARTIFACTS / "ui-curves-artifact.png"), full_page=True)
+    # 5. The samples table: its columns, and prompts from the run's samples files.
+    _open_artifact(page, url, f"{tiny_run.run_name}-samples")
+    page.get_by_text("turns", exact=True).first.wait_for(timeout=UI_WAIT_MS)
+    page.wait_for_timeout(500)
+    body = page.inner_text("body")
+    assert all(column in body for column in ("prompt", "response", "score"))
+    prompts = {
+        s["prompt"]
+        for step in saved_steps(tiny_run.run_dir)
+        for s in read_samples(tiny_run.run_dir, step)
+    }
+    assert any(prompt in body for prompt in prompts), sorted(prompts)[:4]
+    page.screenshot(path=str(ARTIFACTS / "ui-samples-artifact.png"), full_page=True)
 
 
 def _open_artifact(page: Any, run_url: str, key: str) -> None:
