@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from infra.workers import ModelWorker
 from storage import BatchMeta, Store
-from tasks.context import StageContext
+from tasks.context import StageContext, StageResult
 
 STATE = "state.json"
 
@@ -92,6 +92,7 @@ class Restored:
     step: int
     version: int
     submitted: dict[int, BatchMeta]
+    produced: dict[int, StageResult]  # later steps whose rollout finished (separate_async)
 
 
 def restore(path: Path, *, ctx: StageContext, data: DataCursor) -> Restored:
@@ -107,7 +108,11 @@ def restore(path: Path, *, ctx: StageContext, data: DataCursor) -> Restored:
     if state["partitions"]:
         ctx.rt.store.load(path / "store")
     submitted = {int(s): BatchMeta.from_json(m) for s, m in state["submitted"].items()}
-    return Restored(path, int(state["step"]), version, submitted)
+    produced = {
+        int(s): StageResult(BatchMeta.from_json(p["meta"]), dict(p["metrics"]))
+        for s, p in state.get("produced", {}).items()
+    }
+    return Restored(path, int(state["step"]), version, submitted, produced)
 
 
 def checkpoint_run(
@@ -119,13 +124,20 @@ def checkpoint_run(
     pending: dict[int, BatchMeta],
     keep: int,
     midway: Callable[[], None] | None = None,
+    data_state: dict[str, Any] | None = None,
+    produced: dict[int, StageResult] | None = None,
 ) -> Path:
-    """Save the run after ``step``: workers, data cursor, KL controller and the partitions
-    ``pending`` (submitted for later steps)."""
+    """Save the run after ``step``: workers, data cursor (``data_state`` in its place when
+    given), KL controller, the partitions ``pending`` (submitted for later steps) and, of those,
+    the ``produced`` ones' handles and metrics."""
     state = {
-        "data": data.state_dict(),
+        "data": data.state_dict() if data_state is None else data_state,
         "kl": ctx.kl.state_dict(),
         "submitted": {str(s): m.to_json() for s, m in pending.items()},
+        "produced": {
+            str(s): {"meta": r.meta.to_json(), "metrics": r.metrics}
+            for s, r in (produced or {}).items()
+        },
     }
     return save_checkpoint(
         run_dir,

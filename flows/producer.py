@@ -1,6 +1,7 @@
-"""``separate_async``: the rollout producer, a thread that runs the generate and score tasks of
-the coming steps on the rollout and reward pools, at most ``resources.max_staleness`` steps ahead
-of the trainer, while the training loop runs logprobs → advantage → update of its own step.
+"""``separate_async``: the rollout producer, a thread that runs the rollout of the coming steps
+(generate → score, with dynamic sampling's filter and refill rounds: ``flows.sampling``) on the
+rollout and reward pools, at most ``resources.max_staleness`` steps ahead of the trainer, while
+the training loop runs logprobs → advantage → update of its own step.
 
 The thread runs in a copy of the flow run's context, so its task runs belong to the flow run
 (the UI shows generate/score of step k+1 beside update of k). A failure in the producer is
@@ -17,32 +18,32 @@ from typing import TYPE_CHECKING
 
 from infra.group import WorkerDied
 from storage import BatchMeta, ShardLost
-from tasks.context import StageContext, StageResult, Timings
-from tasks.generate.stage import generate
-from tasks.score.stage import score
+from tasks.context import StageResult, Timings
 
 if TYPE_CHECKING:
-    from flows.loop import RetryOptions
+    from flows.sampling import Sampler
 
 
 class RolloutProducer:
     """Produces scored partitions for steps ``first, first + 1, ...`` (see the module docstring).
 
     ``lock`` is the trainer's condition: it guards ``produced`` and is notified when the
-    trainer's policy version moves (``version()``)."""
+    trainer finishes a step (``progress()``: the steps it has finished). ``ready``: steps a
+    checkpoint saved as produced (their rows restored), handed over without running again."""
 
     def __init__(
         self,
         *,
-        ctx: StageContext,
-        retry: RetryOptions,
+        sampler: Sampler,
         submit: Callable[[int], BatchMeta],
-        version: Callable[[], int],
+        progress: Callable[[], int],
+        ready: dict[int, StageResult],
         lock: threading.Condition,
     ) -> None:
-        self.ctx, self.retry, self.submit, self.version = ctx, retry, submit, version
+        self.sampler, self.submit, self.progress = sampler, submit, progress
+        self.ctx = sampler.ctx
         self.lock = lock
-        self.produced: dict[int, StageResult] = {}  # scored, with score and timing metrics
+        self.produced: dict[int, StageResult] = dict(ready)  # scored, with their metrics
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -62,6 +63,10 @@ class RolloutProducer:
             self.lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
+
+    def finished(self) -> dict[int, StageResult]:
+        """The steps produced and not yet taken by the trainer (call with ``lock`` held)."""
+        return dict(self.produced)
 
     def wait(self, step: int) -> StageResult:
         """The step's generated and scored partition and its metrics, once produced. A producer failure is
@@ -91,19 +96,19 @@ class RolloutProducer:
             while not self._stop.is_set() and step < cfg.trainer.total_steps:
                 with self.lock:  # at most max_staleness steps ahead of the trainer
                     while (
-                        self.version() < step - cfg.resources.max_staleness
+                        self.progress() < step - cfg.resources.max_staleness
                         and not self._stop.is_set()
                     ):
                         self.lock.wait(0.5)
+                    if step in self.produced:  # restored as produced by a checkpoint
+                        step += 1
+                        continue
                 if self._stop.is_set():
                     return
                 meta = self.submit(step)
                 timed = Timings()
-                with timed("generate"):
-                    meta = generate.with_options(**self.retry)(self.ctx, [meta], step)[0]
-                with timed("score"):
-                    scored = score.with_options(**self.retry)(self.ctx, meta, step)
-                result = StageResult(scored.meta, {**scored.metrics, **timed.seconds})
+                produced = self.sampler([meta], step, timed)
+                result = StageResult(produced.meta, {**produced.metrics, **timed.seconds})
                 with self.lock:
                     self.produced[step] = result
                     self.lock.notify_all()

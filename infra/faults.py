@@ -93,15 +93,21 @@ class FaultPlan:
             return set()
         return set(json.loads(self.path.read_text()))
 
-    def take(self, stage: str, step: int, attempt: int) -> FaultConfig | None:
-        """The not yet fired entry for (stage, step, attempt), now recorded as fired; or None."""
+    def take(self, stage: str, step: int, attempt: int, round: int = 0) -> FaultConfig | None:
+        """The not yet fired entry for (stage, step, attempt, round), now recorded as fired; or
+        None."""
         if not self.faults:
             return None
         with self._lock:
             fired = self._fired()
             for index, fault in enumerate(self.faults):
                 label = _label(index, fault)
-                due = (fault.stage, fault.step, fault.attempt) == (stage, step, attempt)
+                due = (fault.stage, fault.step, fault.attempt, fault.round) == (
+                    stage,
+                    step,
+                    attempt,
+                    round,
+                )
                 if due and label not in fired:
                     if self.path is not None:
                         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,9 +116,17 @@ class FaultPlan:
         return None
 
     def strike_due(
-        self, stage: str, step: int, attempt: int, *, store: Store, group: Armable | None
+        self,
+        stage: str,
+        step: int,
+        attempt: int,
+        *,
+        round: int = 0,
+        store: Store,
+        group: Armable | None,
     ) -> None:
-        """``strike`` the entry due at (stage, step, attempt), if any."""
-        fault = self.take(stage, step, attempt)
+        """``strike`` the entry due at (stage, step, attempt, round), if any."""
+        fault = self.take(stage, step, attempt, round)
         if fault is not None:
-            strike(fault, f"{stage} at step {step}, attempt {attempt}", store=store, group=group)
+            where = f"{stage} at step {step}" + (f", round {round}" if round else "")
+            strike(fault, f"{where}, attempt {attempt}", store=store, group=group)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Concatenate, Literal, ParamSpec, TypeVar
 
 from infra.config import TrainConfig
 from infra.faults import FaultPlan
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 KLController = FixedKLController | AdaptiveKLController
 Metrics = dict[str, float]
-Stage = Literal["generate", "score", "logprobs", "advantage", "update", "validate"]
+Stage = Literal["generate", "score", "filter", "logprobs", "advantage", "update", "validate"]
 
 
 def kl_controller(cfg: TrainConfig) -> KLController:
@@ -77,25 +77,29 @@ class StageResult:
 
 In = TypeVar("In")
 Out = TypeVar("Out")
-StageFn = Callable[[StageContext, In, int], Out]
+P = ParamSpec("P")
+StageFn = Callable[Concatenate[StageContext, In, int, P], Out]
 
 
 def faults_at(
     stage: Stage, group: Callable[[StageContext], WorkerGroup]
-) -> Callable[[StageFn[In, Out]], StageFn[In, Out]]:
-    """Wrap a stage's function ``fn(ctx, input, step)`` (under its ``@task``): before it runs,
-    the ``faults`` entry due at this try strikes (``infra.faults.strike``), worker-side actions
-    armed on ``group(ctx)``."""
+) -> Callable[[StageFn[In, P, Out]], StageFn[In, P, Out]]:
+    """Wrap a stage's function ``fn(ctx, input, step, ...)`` (under its ``@task``): before it
+    runs, the ``faults`` entry due at this try (and, for a stage that takes one, its keyword
+    ``round``) strikes (``infra.faults.strike``), worker-side actions armed on ``group(ctx)``."""
 
-    def wrap(fn: StageFn[In, Out]) -> StageFn[In, Out]:
+    def wrap(fn: StageFn[In, P, Out]) -> StageFn[In, P, Out]:
         @functools.wraps(fn)
-        def run(ctx: StageContext, inp: In, step: int) -> Out:
+        def run(ctx: StageContext, inp: In, step: int, /, *args: P.args, **kwargs: P.kwargs) -> Out:
             if ctx.faults.faults:
                 from prefect.runtime import task_run
 
                 attempt = max(int(task_run.run_count or 1), 1)
-                ctx.faults.strike_due(stage, step, attempt, store=ctx.rt.store, group=group(ctx))
-            return fn(ctx, inp, step)
+                at = int(kwargs.get("round", 0))  # type: ignore[call-overload]
+                ctx.faults.strike_due(
+                    stage, step, attempt, round=at, store=ctx.rt.store, group=group(ctx)
+                )
+            return fn(ctx, inp, step, *args, **kwargs)
 
         return run
 

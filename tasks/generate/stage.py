@@ -71,8 +71,8 @@ def submit_prompts(
     )
 
 
-def generation_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step * 7919) % (2**31 - 1)
+def generation_seed(seed: int, step: int, round: int = 0) -> int:
+    return (seed * 1_000_003 + step * 7919 + round * 104_729) % (2**31 - 1)
 
 
 def sample_meta(prompts: BatchMeta, n: int) -> BatchMeta:
@@ -126,13 +126,15 @@ def generate_partition(
     seed: int,
     n: int | None = None,
     temperature: float | None = None,
+    first_group: int = 0,
 ) -> BatchMeta:
     """Generate ``n`` responses for each prompt group of ``meta`` (the rollout settings unless
-    ``n``/``temperature`` are given, as validation does); returns the widened handle."""
+    ``n``/``temperature`` are given, as validation does), the groups labelled from
+    ``first_group`` on; returns the widened handle."""
     n = ctx.cfg.rollout.n if n is None else n
     prompts = BatchMeta(meta.partition_id, meta.keys[::n], ())  # first sample of each group
     shards = [s for s in prompts.shards(ctx.rt.rollout_group.size) if s.keys]
-    starts = [0]
+    starts = [first_group]
     for shard in shards[:-1]:
         starts.append(starts[-1] + len(shard.keys))
     ctx.rt.rollout_group.run_each(
@@ -153,14 +155,19 @@ def generate_partition(
 
 @task(name="generate", cache_policy=NO_CACHE, task_run_name="generate[step={step}]")
 @faults_at("generate", lambda ctx: ctx.rt.rollout_group)
-def generate(ctx: StageContext, metas: list[BatchMeta], step: int) -> list[BatchMeta]:
-    """Generate responses for each submitted partition in ``metas`` (several when generating ahead)."""
+def generate(
+    ctx: StageContext, metas: list[BatchMeta], step: int, *, round: int = 0
+) -> list[BatchMeta]:
+    """Generate responses for each submitted partition in ``metas`` (several when generating
+    ahead). ``round`` > 0: a dynamic-sampling refill of ``step`` (``flows.sampling``), with its
+    own seed and group labels from ``round * rollout.prompts_per_step`` on."""
     out = []
+    first_group = round * ctx.cfg.rollout.prompts_per_step
     for offset, meta in enumerate(metas):
         done = ctx.rt.store.kv_list(meta.partition_id)
         if all("response_ids" in done.get(k, ()) for k in meta.keys):
             out.append(meta.with_fields(*WRITES))  # produced ahead of time (colocate_async)
             continue
-        seed = generation_seed(ctx.cfg.seed, step + offset)
-        out.append(generate_partition(ctx, meta, seed=seed))
+        seed = generation_seed(ctx.cfg.seed, step + offset, round)
+        out.append(generate_partition(ctx, meta, seed=seed, first_group=first_group))
     return out

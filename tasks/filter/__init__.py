@@ -1,0 +1,1 @@
+"""Dynamic sampling (``algorithm.filter_groups``): pure choice in `core.py`, the Prefect stage in `stage.py`."""

@@ -1,0 +1,80 @@
+"""filter: dynamic sampling's cut of one round (``algorithm.filter_groups``).
+
+The task takes the step's candidate rows (the groups kept in earlier rounds, then this round's
+scored ones), reads the metric the config names (``scores``; ``rule_scores`` for ``rule``; a
+reward function's part of ``reward_parts``), keeps the first ``want`` groups whose values spread
+(``tasks.filter.core.choose_groups``) and removes every other row from the partition. It decides
+on the rows still present, so a retried task decides the same and removes nothing twice: what a
+first try removed was a group without spread, or surplus beyond ``want``, and neither can come
+back as kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from storage import BatchMeta
+from tasks.context import StageContext, faults_at
+from tasks.filter.core import GroupChoice, choose_groups
+
+
+@dataclass(frozen=True)
+class FilterJob:
+    """One round's cut: the candidate rows (prompt-major, earlier rounds' kept groups first) and
+    how many groups the step wants."""
+
+    candidates: BatchMeta
+    want: int
+    round: int
+
+
+@dataclass(frozen=True)
+class FilterResult:
+    """The rows kept (their handle) and this cut's groups by label."""
+
+    meta: BatchMeta
+    choice: GroupChoice
+    removed: int  # rows taken out of the partition by this try
+
+
+def metric_values(ctx: StageContext, meta: BatchMeta, metric: str) -> torch.Tensor:
+    """(B,) float64: the filter metric of each row of ``meta``."""
+    store = ctx.rt.store
+    keys = list(meta.keys)
+    if metric in ("score", "rule"):
+        field = "scores" if metric == "score" else "rule_scores"
+        got = store.kv_batch_get(keys, meta.partition_id, [field], timeout=0)[field]
+        return torch.as_tensor(got).double()
+    parts = store.kv_batch_get(keys, meta.partition_id, ["reward_parts"], timeout=0)["reward_parts"]
+    name = f"fn/{metric}"
+    missing = [k for k, p in zip(keys, parts, strict=True) if name not in p]
+    if missing:
+        raise KeyError(
+            f"algorithm.filter_groups.metric={metric!r}: no {name!r} part in reward_parts of "
+            f"{len(missing)} row(s) of {meta.partition_id}, e.g. {missing[0]!r}"
+        )
+    return torch.tensor([float(p[name]) for p in parts], dtype=torch.float64)
+
+
+@task(name="filter", cache_policy=NO_CACHE, task_run_name="filter[step={step}, round={job.round}]")
+@faults_at("filter", lambda ctx: ctx.rt.train_group)
+def filter_groups(ctx: StageContext, job: FilterJob, step: int) -> FilterResult:
+    meta = job.candidates
+    # 1. The rows still present (a retried try sees what its first try left).
+    present = ctx.rt.store.kv_list(meta.partition_id)
+    live = BatchMeta(meta.partition_id, tuple(k for k in meta.keys if k in present), meta.fields)
+    # 2. The metric and the groups; the choice.
+    values = metric_values(ctx, live, ctx.cfg.algorithm.filter_groups.metric)  # (B,)
+    groups = ctx.rt.store.kv_batch_get(list(live.keys), live.partition_id, ["group_ids"], timeout=0)
+    group_ids = torch.as_tensor(groups["group_ids"])  # (B,)
+    choice = choose_groups(values=values, group_ids=group_ids, want=job.want)
+    # 3. Remove the rows of dropped and surplus groups; the kept rows' handle.
+    keep = set(choice.kept)
+    kept = tuple(k for k, g in zip(live.keys, group_ids.tolist(), strict=True) if g in keep)
+    gone = [k for k, g in zip(live.keys, group_ids.tolist(), strict=True) if g not in keep]
+    removed = ctx.rt.store.kv_clear(meta.partition_id, gone) if gone else 0
+    return FilterResult(BatchMeta(meta.partition_id, kept, meta.fields), choice, removed)
