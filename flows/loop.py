@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -32,6 +32,7 @@ from flows.producer import RolloutProducer
 from flows.report import RunReport
 from flows.reward_model import ResolvedModels
 from flows.samples import save_step_samples
+from flows.sampling import Sampler
 from infra.config import TrainConfig
 from infra.faults import FaultPlan, strike
 from infra.group import WorkerDied
@@ -40,10 +41,10 @@ from infra.workers import ModelWorker
 from storage import BatchMeta, ShardLost
 from storage.ray_backend import RayStore
 from tasks.advantage.stage import advantage
-from tasks.context import Metrics, StageContext, Timings
-from tasks.generate.stage import generate, submit_prompts
+from tasks.context import Metrics, StageContext, StageResult, Timings
+from tasks.generate.stage import submit_prompts
 from tasks.logprobs.stage import logprobs
-from tasks.score.stage import NonFiniteScoreError, score
+from tasks.score.stage import NonFiniteScoreError
 from tasks.update.stage import update
 from tasks.validate.stage import Validation, validate
 
@@ -129,13 +130,17 @@ class Trainer:
         heldout = heldout_rows(cfg, models, tokenizer) if cfg.data.builtin else []
         self.evaluate = Evaluator(self.ctx, self._validate, val_rows=datasets.val, heldout=heldout)
         self.submitted: dict[int, BatchMeta] = {}
+        self.drawn_from: dict[int, dict[str, Any]] = {}  # the cursor before a step's first draw
         self.submit_lock = threading.Condition()
-        self.version = 0
+        self.sampler = Sampler(self.ctx, self.retry, self.draw)
+        self.version = 0  # policy updates applied
+        self.steps_done = 0  # steps finished (a step that kept no group updates nothing)
         self.last_checkpoint: Path | None = None
         self.producer: RolloutProducer | None = None
         self.restarts = 0
         self.initial: dict[str, Any] = {}
         self.carried: dict[int, Metrics] = {}  # metrics for a step not run yet (restarts)
+        self.ready: dict[int, StageResult] = {}  # produced steps a checkpoint restored
 
     def _validate(self, ctx: StageContext, job: Validation, step: int) -> Metrics:
         return validate.with_options(**self.retry)(ctx, job, step)
@@ -150,6 +155,8 @@ class Trainer:
         """Restore the checkpoint at ``path``; returns the step after it."""
         restored = restore(path, ctx=self.ctx, data=self.data)
         self.version, self.submitted = restored.version, restored.submitted
+        self.steps_done = restored.step + 1
+        self.ready = restored.produced
         self.last_checkpoint = path
         return restored.step + 1
 
@@ -164,28 +171,60 @@ class Trainer:
                 strike(fault, where, store=self.rt.store, group=self.rt.train_group)
 
         with self.submit_lock:
-            pending = {s: m for s, m in self.submitted.items() if s > step}
+            pending, ready, data_state = self._pending(step)
             self.last_checkpoint = checkpoint_run(
                 self.run_dir,
                 step,
                 ctx=self.ctx,
                 data=self.data,
+                data_state=data_state,
                 pending=pending,
+                produced=ready,
                 keep=self.cfg.trainer.keep_checkpoints,
                 midway=midway,
             )
+
+    def _pending(
+        self, step: int
+    ) -> tuple[dict[int, BatchMeta], dict[int, StageResult], dict[str, Any] | None]:
+        """What a checkpoint after ``step`` keeps of the later steps: their submitted partitions,
+        the producer's finished steps (dynamic sampling in separate_async), and the data cursor
+        to save (None: the cursor as it is). A step whose filter rounds are under way in the
+        producer cannot be saved half done: the checkpoint stops before it and keeps the cursor
+        from before its first draw, so a resumed run draws its prompts again."""
+        pending = {s: m for s, m in sorted(self.submitted.items()) if s > step}
+        if self.producer is None or not self.cfg.algorithm.filter_groups.enabled:
+            return pending, {}, None
+        done = self.producer.finished()
+        kept: dict[int, BatchMeta] = {}
+        for s in pending:
+            if s not in done:
+                return kept, {t: done[t] for t in kept}, self.drawn_from[s]
+            kept[s] = done[s].meta
+        return kept, {t: done[t] for t in kept}, None
 
     # ------------------------------------------------------------------ prompts and rollout
     def submit(self, step: int) -> BatchMeta:
         """Draw the step's prompts from the data cursor and put them in its partition (once)."""
         with self.submit_lock:
             if step not in self.submitted:
+                self.drawn_from[step] = self.data.state_dict()
                 rows = self.data.next_batch(self.cfg.rollout.prompts_per_step)
                 self.submitted[step] = submit_prompts(
                     self.ctx, partition_id=partition_id(step), rows=rows
                 )
                 self.submit_lock.notify_all()
             return self.submitted[step]
+
+    def draw(self, step: int, round: int, prompts: int) -> BatchMeta:
+        """Dynamic sampling's refill: the next ``prompts`` rows of the data cursor, put in the
+        step's partition (a prompt already there, after the cursor wrapped into a new epoch,
+        gets the round in its id); returns the new rows' handle."""
+        with self.submit_lock:
+            rows = self.data.next_batch(prompts)
+            taken = {k.rsplit("/", 1)[0] for k in self.rt.store.kv_list(partition_id(step))}
+            rows = [r if r.uid not in taken else replace(r, uid=f"{r.uid}~{round}") for r in rows]
+            return submit_prompts(self.ctx, partition_id=partition_id(step), rows=rows)
 
     def metas_for(self, step: int) -> list[BatchMeta]:
         """The partitions the generate task should fill at ``step`` (sync, colocate_async)."""
@@ -199,27 +238,46 @@ class Trainer:
     # ------------------------------------------------------------------ one iteration
     def iteration(self, step: int) -> Metrics:
         """One step's stages; returns their metrics and timings."""
-        ctx, retry, timed = self.ctx, self.retry, Timings()
+        timed = Timings()
         metrics: Metrics = {}
         t_step = time.perf_counter()
         # 1.-2. generate (possibly several partitions ahead) and score; separate_async: the
         # producer thread (flows.producer) has run both: wait for its scored rows.
+        # With dynamic sampling, filter and refill rounds (flows.sampling).
         if self.producer is not None:
             with timed("wait_rollout"):
                 produced = self.producer.wait(step)
-            meta = produced.meta
-            metrics.update(produced.metrics)
-            metrics.update(self._check_staleness(meta, step))
         else:
-            with timed("generate"):
-                meta = generate.with_options(**retry)(ctx, self.metas_for(step), step)[0]
+            produced = self.sampler(self.metas_for(step), step, timed)
+        meta = produced.meta
+        metrics.update(produced.metrics)
+        if meta.keys:
             metrics.update(self._check_staleness(meta, step))
-            with timed("score"):
-                scored = score.with_options(**retry)(ctx, meta, step)
-            meta = scored.meta
-            metrics.update(scored.metrics)
-        # 3.-5. logprobs/values (nothing to compute: one on-policy step, no ref or critic)
-        # → advantage → update.
+            metrics.update(self._train(meta, step, timed))
+        else:  # dynamic sampling kept no group: nothing to learn from this step
+            metrics["filter/skipped_update"] = 1.0
+        with self.submit_lock:
+            self.steps_done += 1
+            self.submit_lock.notify_all()
+        # 6. Wake/sleep seconds of the colocated roles (first training worker), then drop the partition.
+        metrics.update(self.rt.train_group.call(ModelWorker.timing)[0])
+        save_step_samples(self.ctx, meta, step, self.run_dir)  # samples/step_<N>.jsonl
+        self.rt.store.kv_clear(meta.partition_id)
+        self.submitted.pop(step, None)
+        self.drawn_from.pop(step, None)
+        metrics.update(timed.seconds)
+        metrics["timing_s/step"] = time.perf_counter() - t_step
+        tokens = metrics.get("perf/total_num_tokens")  # the score task's
+        if tokens is not None:
+            metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
+        return metrics
+
+    def _train(self, meta: BatchMeta, step: int, timed: Timings) -> Metrics:
+        """3.-5. logprobs/values (nothing to compute: one on-policy step, no ref or critic) →
+        advantage → update; the KL controller and the policy version move once the update is
+        applied."""
+        ctx, retry = self.ctx, self.retry
+        metrics: Metrics = {}
         if ctx.plan.forward_passes:
             with timed("logprobs"):
                 meta = logprobs.with_options(**retry)(ctx, meta, step)
@@ -234,17 +292,6 @@ class Trainer:
             ctx.kl.update(advantaged.reward_kl, self.cfg.batch_size)
         with self.submit_lock:
             self.version += 1
-            self.submit_lock.notify_all()
-        # 6. Wake/sleep seconds of the colocated roles (first training worker), then drop the partition.
-        metrics.update(self.rt.train_group.call(ModelWorker.timing)[0])
-        save_step_samples(self.ctx, meta, step, self.run_dir)  # samples/step_<N>.jsonl
-        self.rt.store.kv_clear(meta.partition_id)
-        self.submitted.pop(step, None)
-        metrics.update(timed.seconds)
-        metrics["timing_s/step"] = time.perf_counter() - t_step
-        tokens = metrics.get("perf/total_num_tokens")  # the score task's
-        if tokens is not None:
-            metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
         return metrics
 
     def _check_staleness(self, meta: BatchMeta, step: int) -> Metrics:
@@ -284,7 +331,8 @@ class Trainer:
         else:
             self.data.load_state_dict(self.initial["data"])
             self.ctx.kl.load_state_dict(self.initial["kl"])
-            self.version, nxt = 0, 0
+            self.version = self.steps_done = nxt = 0
+            self.ready = {}
         report.restarted(nxt, {"failed_step": step, "restarts": self.restarts, "error": str(exc)})
         self.carried[nxt] = {"trainer/restarts": float(self.restarts)}
         self.start_producer(nxt)
@@ -293,10 +341,10 @@ class Trainer:
     def start_producer(self, first: int) -> None:
         if self.cfg.resources.mode == "separate_async":
             self.producer = RolloutProducer(
-                ctx=self.ctx,
-                retry=self.retry,
+                sampler=self.sampler,
                 submit=self.submit,
-                version=lambda: self.version,
+                progress=lambda: self.steps_done,
+                ready=self.ready,
                 lock=self.submit_lock,
             )
             self.producer.start(first)
