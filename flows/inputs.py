@@ -1,7 +1,8 @@
 """A run's inputs, checked and loaded before any resource is taken.
 
 ``check_inputs(cfg)`` fails with one-line errors naming the setting: model folders that do not
-exist (a hub id is not a local folder), dataset files, reward-function files and functions.
+exist (a hub id is not a local folder), dataset files, reward-function files and functions, the
+judge's template (it must render) and parse function.
 ``load_datasets(cfg, models, tokenizer)`` reads the prompt files, renders a user's prompts with
 the policy tokenizer's chat template and applies ``data.max_prompt_length`` / ``data.truncation``
 (``error`` fails here, naming the file and the row). Both run in the CLI before the flow starts
@@ -49,11 +50,12 @@ def _check_folder(setting: str, path: Path | None) -> None:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """Every path a setting names exists, and every reward function loads."""
+    """Every path a setting names exists, every reward function loads, and the judge's template
+    renders and its parse function loads."""
     from infra.reward_functions import check_reward_functions
 
     m = cfg.models
-    for setting in ("policy", "tokenizer", "reference", "reward_model", "critic"):
+    for setting in ("policy", "tokenizer", "reference", "reward_model", "critic", "judge"):
         _check_folder(f"models.{setting}", getattr(m, setting))
     for setting, files in (
         ("data.train_files", cfg.data.train_files),
@@ -64,6 +66,11 @@ def check_inputs(cfg: TrainConfig) -> None:
                 raise InputError(f"{setting}[{index}]={path}: no such file")
     try:
         check_reward_functions(cfg.reward.functions)
+        if cfg.reward.judge is not None:
+            from infra.judge import check_template, load_parse_function
+
+            check_template(cfg.reward.judge.template)
+            load_parse_function(cfg.reward.judge.parse)
     except ValueError as exc:
         raise InputError(str(exc)) from None
 

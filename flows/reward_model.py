@@ -24,7 +24,8 @@ from infra.config import TrainConfig
 
 @dataclass(frozen=True)
 class ResolvedModels:
-    """Concrete model folders for a training run (``reward_model`` None: no reward model).
+    """Concrete model folders for a training run (``reward_model`` None: no reward model;
+    ``judge`` None: no LLM judge).
 
     ``train_data`` / ``heldout_data`` are the built-in task's prompt files (None with
     ``data.train_files``)."""
@@ -34,6 +35,7 @@ class ResolvedModels:
     reference: str
     reward_model: str | None
     critic: str | None
+    judge: str | None = None
     train_data: str | None = None
     heldout_data: str | None = None
     sft_accuracy: float | None = None
@@ -129,6 +131,7 @@ def resolve_models(
         reference=str(m.reference or (m.policy or policy)),
         reward_model=reward_model,
         critic=str(m.critic) if m.critic else None,
+        judge=str(m.judge) if m.judge else None,
         train_data=assets["train_data"] if assets and cfg.data.builtin else None,
         heldout_data=assets["heldout_data"] if assets and cfg.data.builtin else None,
     )

@@ -1,14 +1,20 @@
 """Build and tear down what a training run computes on: Ray, resource pools, worker groups, store.
 
-Pool layout by mode (``reward.pool`` decides whether the reward model shares the training pool):
+Pool layout by mode (``reward.pool`` decides whether the reward model and the judge share the
+training pool, ``colocated``, or get a pool of one bundle, ``own``):
 
-| mode             | training pool (num_workers)       | rollout pool           | reward pool      |
-|------------------|-----------------------------------|------------------------|------------------|
-| sync             | rollout, actor, ref, critic, (rm) | — (training pool)      | own: 1 bundle    |
-| colocate_async   | same as sync                      | — (training pool)      | own: 1 bundle    |
-| separate_async   | actor, ref, critic                | rollout_workers        | always own       |
+| mode           | training pool (num_workers)                  | rollout pool    | own reward pool |
+|----------------|----------------------------------------------|-----------------|-----------------|
+| sync           | rollout, actor, ref, critic, (reward, judge) | — (training)    | reward, judge   |
+| colocate_async | same as sync                                 | — (training)    | reward, judge   |
+| separate_async | actor, ref, critic, (reward, judge)          | rollout_workers | reward, judge   |
 
-A run without a reward model (reward functions only) has no reward role and no reward pool.
+``(reward, judge)``: with ``reward.pool: colocated``. In ``separate_async`` they never share the
+rollout's devices (a rollout that never pauses never frees them): colocated, they take turns with
+the trainer on the training pool, the producer thread's score and the training loop's logprobs
+and update calling the same workers, which run one call at a time (``infra.workers``).
+A run without a reward model and without a judge (reward functions only) has no reward or judge
+role and no reward pool.
 Each bundle is one device, except the rollout pool's with a tensor-parallel vLLM engine
 (``rollout.tensor_parallel_size``, separate_async only): each of its bundles holds that many.
 """
@@ -19,10 +25,21 @@ from flows.reward_model import ResolvedModels
 from infra.cluster import ResourcePool, create_pool, ensure_ray
 from infra.config import TrainConfig
 from infra.group import WorkerGroup
+from infra.judge import template_text
 from infra.reward_functions import RewardFunctionPool
 from infra.runtime import Runtime
 from infra.workers import Role, WorkerSpec
 from storage import Store
+
+
+def _reward_roles(cfg: TrainConfig) -> tuple[Role, ...]:
+    """The scoring models the run loads: the reward model and the judge, each if used."""
+    roles: list[Role] = []
+    if cfg.uses_reward_model:
+        roles.append("reward")
+    if cfg.models.judge is not None:
+        roles.append("judge")
+    return tuple(roles)
 
 
 def _train_roles(cfg: TrainConfig) -> tuple[Role, ...]:
@@ -30,8 +47,8 @@ def _train_roles(cfg: TrainConfig) -> tuple[Role, ...]:
     roles: list[Role] = []
     if cfg.resources.mode != "separate_async":
         roles.append("rollout")
-    if cfg.reward.pool == "colocated" and cfg.uses_reward_model:
-        roles.append("reward")
+    if cfg.reward.pool == "colocated":
+        roles.extend(_reward_roles(cfg))
     roles.append("actor")
     if algo.use_reference:
         roles.append("ref")
@@ -51,6 +68,12 @@ def _spec(
         reference_path=models.reference,
         reward_model_path=models.reward_model,
         critic_path=models.critic,
+        judge_path=models.judge if "judge" in roles else None,
+        judge_template=(
+            template_text(cfg.reward.judge.template)
+            if "judge" in roles and cfg.reward.judge is not None
+            else None
+        ),
         store_url=store_url,
     )
 
@@ -61,7 +84,7 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
 
     res = cfg.resources
     separate = res.mode == "separate_async"
-    own_reward = cfg.reward.pool == "own" and cfg.uses_reward_model
+    own_reward = cfg.reward.pool == "own" and bool(_reward_roles(cfg))
     rollout_devices = cfg.rollout.tensor_parallel_size  # > 1 only for vLLM in separate_async
     devices = (
         res.num_workers
@@ -82,13 +105,16 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
         train = WorkerGroup(
             train_pool, _spec(cfg, models, _train_roles(cfg), url), call_timeout_s=timeout
         )
-        # 2. Optional own pools for the reward model and the rollout.
+        # 2. Optional own pools for the reward model / judge and the rollout.
         rollout = train
-        reward: WorkerGroup | None = train if "reward" in train.spec.roles else None
+        colocated = {"reward", "judge"} & set(train.spec.roles)
+        reward: WorkerGroup | None = train if colocated else None
         if own_reward:
             pool = create_pool("reward", 1, accelerator=res.accelerator_resource)
             pools.append(pool)
-            reward = WorkerGroup(pool, _spec(cfg, models, ("reward",), url), call_timeout_s=timeout)
+            reward = WorkerGroup(
+                pool, _spec(cfg, models, _reward_roles(cfg), url), call_timeout_s=timeout
+            )
         if separate:
             pool = create_pool(
                 "rollout",

@@ -76,6 +76,13 @@ class ModelsConfig(_Section):
     critic: Path | None = Field(
         None, description="Critic init; None = the policy weights with a new value head."
     )
+    judge: Path | None = Field(
+        None,
+        description=(
+            "LLM judge folder (a causal LM with its own tokenizer and chat template); None = no "
+            "judge. Needs reward.judge (its template and parser)."
+        ),
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description=(
@@ -176,9 +183,52 @@ class OverlongBufferConfig(_Section):
     penalty: float = Field(1.0, ge=0, description="What a response of max_new_tokens loses.")
 
 
+class JudgeParseConfig(_Section):
+    """The function ``(verdict: str) -> float | None`` that turns a judge's verdict into its
+    score; None = the verdict does not parse (``reward.judge.on_parse_error``)."""
+
+    path: str | None = Field(
+        None,
+        description="A .py file or an importable module; None = a built-in (yes_no, last_number).",
+    )
+    name: str = Field("yes_no", description="The function's name in the file or module.")
+
+
+class JudgeConfig(_Section):
+    """An LLM judge (``models.judge``) scoring each sample by a generated verdict
+    (``infra.judge``): the template renders one user message, the judge's chat template adds
+    the generation prompt, the parser reads the verdict."""
+
+    template: str = Field(
+        description=(
+            "Jinja template of the judge's user message (a file path, or the text itself when it "
+            "holds '{{' or '{%'), over question, response, ground_truth and data_source."
+        ),
+    )
+    parse: JudgeParseConfig = Field(default_factory=JudgeParseConfig)
+    weight: float = Field(1.0, description="Weight of the judge's score in `scores`.")
+    max_new_tokens: int = Field(64, ge=1, description="Longest verdict, in judge tokens.")
+    temperature: float = Field(0.0, ge=0, description="Verdict sampling temperature (0 = greedy).")
+    on_parse_error: float = Field(
+        0.0, description="The judge's score for a verdict the parser returns None for."
+    )
+
+    @model_validator(mode="after")
+    def _check_template(self) -> JudgeConfig:
+        """An inline template must render (a template file is checked with the run's inputs)."""
+        if "{{" in self.template or "{%" in self.template:
+            from infra.judge import TEMPLATE_SETTING, check_template
+
+            try:
+                check_template(self.template)
+            except ValueError as exc:  # reported under reward.judge: name the field alone
+                raise ValueError(str(exc).replace(TEMPLATE_SETTING, "template", 1)) from None
+        return self
+
+
 class RewardConfig(_Section):
     """The per-sample score: ``model_weight * rm_score + sum(weight_i * function_i)``
-    (+ ``rule_weight * rule``)."""
+    (+ ``rule_weight * rule``) (+ ``judge.weight * judge``)."""
 
     functions: list[RewardFunctionConfig] = Field(
         default_factory=list, description="Reward functions (verl's compute_score signature)."
@@ -205,6 +255,9 @@ class RewardConfig(_Section):
         "exact_match", description="Rule that checks a response against ground_truth."
     )
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
+    judge: JudgeConfig | None = Field(
+        None, description="The LLM judge's template, parser and weight (with models.judge)."
+    )
 
 
 class KLConfig(_Section):
@@ -620,7 +673,13 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _check_modes(self) -> TrainConfig:
-        if not self.uses_reward_model and not self.reward.functions and not self.reward.rule_weight:
+        judged = self.reward.judge is not None
+        if (
+            not self.uses_reward_model
+            and not self.reward.functions
+            and not self.reward.rule_weight
+            and not judged
+        ):
             raise ValueError(
                 "no reward: set models.reward_model (a reward-model folder) or reward.functions "
                 "(a list of {path, name, weight} reward functions)"
@@ -637,16 +696,18 @@ class TrainConfig(_Section):
                     f"trainer.loggers names {logger!r} but {logger} is not installed: "
                     f"pip install 'ppoflow[{logger}]' or remove it from trainer.loggers"
                 )
-        if (
-            self.resources.mode == "separate_async"
-            and self.reward.pool == "colocated"
-            and self.uses_reward_model
-        ):
-            raise ValueError(
-                "resources.mode='separate_async' cannot use a colocated reward model: the rollout never "
-                "pauses, so the devices the reward model would wake on are never free. "
-                "Set reward.pool='own' to give the reward model its own pool, or use mode 'sync' / 'colocate_async'."
+        if judged and self.models.judge is None:
+            raise ConfigError(
+                "reward.judge is set but models.judge is not: set models.judge to the judge's "
+                "model folder, or remove reward.judge"
             )
+        if self.models.judge is not None and not judged:
+            raise ConfigError(
+                "models.judge is set but reward.judge is not: set reward.judge.template (and "
+                "reward.judge.parse), or remove models.judge"
+            )
+        # separate_async: reward.pool 'colocated' puts the reward model and the judge on the
+        # training pool (never the rollout's, which never pauses); 'own' on a pool of their own.
         tp = self.rollout.tensor_parallel_size
         if tp > 1 and self.rollout.engine != "vllm":
             raise ValueError(

@@ -4,10 +4,11 @@ A reward function is ``compute_score(data_source, solution_str, ground_truth, ex
 **kwargs)`` returning a number or a dict with ``score`` (other finite numbers in the dict become
 extras, logged as ``reward_extra/<key>``). ``load_reward_function`` finds one from a
 ``reward.functions[i]`` entry: a ``.py`` file, an importable module, or a built-in rule
-(``exact_match``, ``gsm8k``). ``RewardFunctionPool`` runs every function on every sample in
-spawned worker processes, each call bounded by ``reward.function_timeout_s`` inside the worker
-(SIGALRM) and each chunk of calls bounded again in the parent (a worker stuck in C code is
-terminated). Any failure raises ``RewardFunctionError`` for the whole batch.
+(``exact_match``, ``gsm8k``); ``load_function`` is the same lookup for another setting (the
+judge's parse function, ``infra.judge``). ``RewardFunctionPool`` runs every function on every
+sample in spawned worker processes, each call bounded by ``reward.function_timeout_s`` inside the
+worker (SIGALRM) and each chunk of calls bounded again in the parent (a worker stuck in C code
+is terminated). Any failure raises ``RewardFunctionError`` for the whole batch.
 
 This module is the workers' import path: it imports the standard library only (no torch).
 """
@@ -43,6 +44,7 @@ __all__ = [
     "check_reward_functions",
     "exact_match",
     "hash_answer_match",
+    "load_function",
     "load_reward_function",
     "metrics",
     "parse_hash_answer",
@@ -177,8 +179,7 @@ def _is_file_path(path: str) -> bool:
     return path.endswith(".py") or "/" in path or os.sep in path
 
 
-def _import_file(path: str, index: int) -> ModuleType:
-    where = f"reward.functions[{index}].path"
+def _import_file(path: str, where: str) -> ModuleType:
     resolved = Path(path).expanduser().resolve()
     if not resolved.is_file():
         raise RewardFunctionLoadError(
@@ -204,8 +205,7 @@ def _import_file(path: str, index: int) -> ModuleType:
     return module
 
 
-def _import_module(path: str, index: int) -> ModuleType:
-    where = f"reward.functions[{index}].path"
+def _import_module(path: str, where: str) -> ModuleType:
     try:
         return importlib.import_module(path)
     except ModuleNotFoundError as exc:
@@ -226,30 +226,50 @@ def _import_module(path: str, index: int) -> ModuleType:
 
 def load_reward_function(spec: FunctionSpec, index: int) -> RewardFn:
     """The callable that ``reward.functions[index]`` names (``spec.path`` None = a built-in)."""
-    where = f"reward.functions[{index}].name"
-    if spec.path is None:
-        if spec.name not in BUILTIN_FUNCTIONS:
+    return load_function(
+        spec.path,
+        spec.name,
+        setting=f"reward.functions[{index}]",
+        builtins=BUILTIN_FUNCTIONS,
+        kind="reward function",
+    )
+
+
+def load_function(
+    path: str | None,
+    name: str,
+    *,
+    setting: str,
+    builtins: Mapping[str, RewardFn],
+    kind: str,
+) -> RewardFn:
+    """The callable ``name`` in ``path`` (a ``.py`` file or an importable module), or the
+    built-in ``kind`` (e.g. "reward function") ``name`` when ``path`` is None; errors name
+    ``<setting>.path`` / ``<setting>.name`` (``reward.functions[i]``, ``reward.judge.parse``)."""
+    where = f"{setting}.name"
+    if path is None:
+        if name not in builtins:
             raise RewardFunctionLoadError(
-                f"{where}: no built-in reward function {spec.name!r}; choose one of "
-                f"{sorted(BUILTIN_FUNCTIONS)} or set reward.functions[{index}].path"
+                f"{where}: no built-in {kind} {name!r}; choose one of {sorted(builtins)} or set "
+                f"{setting}.path"
             )
-        return BUILTIN_FUNCTIONS[spec.name]
-    if _is_file_path(spec.path):
-        module = _import_file(spec.path, index)
+        return builtins[name]
+    if _is_file_path(path):
+        module = _import_file(path, f"{setting}.path")
     else:
-        module = _import_module(spec.path, index)
-    if not hasattr(module, spec.name):
+        module = _import_module(path, f"{setting}.path")
+    if not hasattr(module, name):
         defined = sorted(
             n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
         )
         raise RewardFunctionLoadError(
-            f"{where}: {spec.path} has no {spec.name!r} (its callables: "
+            f"{where}: {path} has no {name!r} (its callables: "
             f"{_one_line(', '.join(defined) or 'none', 120)}); set the function's name"
         )
-    function: object = getattr(module, spec.name)
+    function: object = getattr(module, name)
     if not callable(function):
         raise RewardFunctionLoadError(
-            f"{where}: {spec.name!r} in {spec.path} is not callable "
+            f"{where}: {name!r} in {path} is not callable "
             f"({type(function).__name__}); name a function"
         )
     return function

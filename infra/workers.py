@@ -1,14 +1,19 @@
 """The worker that holds the models of one device and runs the stages' worker-side steps on it.
 
 A ``ModelWorker`` owns some of the roles ``rollout`` (generation engine), ``reward`` (reward
-model), ``actor`` (policy + optimizer), ``ref`` (frozen reference policy) and ``critic`` (value
-model + optimizer), and a handle on the run's store. It knows nothing of the stages: a stage
-hands it a function, ``worker.run(fn, shard, ...)`` calls ``fn(worker, shard, ...)``
-in the worker's process, and that function reads the shard's rows from the store, wakes the role
+model), ``judge`` (an LLM judge, ``infra.judge``), ``actor`` (policy + optimizer), ``ref`` (frozen
+reference policy) and ``critic`` (value model + optimizer), and a handle on the run's store. It
+knows nothing of the stages: a stage hands it a function, ``worker.run(fn, shard, ...)`` calls
+``fn(worker, shard, ...)`` in the worker's process, and that function reads the shard's rows from the store, wakes the role
 it needs (``with worker.awake("actor") as actor:``), computes and writes its rows back. The flow
 process moves only ``BatchMeta`` handles and metrics. Roles in one worker share its device and
 take turns through a ``ColocatedGroup``: a role is put back to sleep when its block ends, even
 when the compute raises. ``WorkerGroup`` (infra.group) runs workers as Ray actors in a pool.
+
+A worker's Ray actor runs one call at a time, so two callers (``separate_async``: the producer's
+score and the trainer's update on one training pool) already take turns. ``awake`` also holds a
+per-worker lock for the whole block, so two threads in one worker (a threaded actor, or direct
+calls in one process) wait for each other's turn instead of waking two models at once.
 
 Data-parallel workers (``world_size > 1``, or ``fsdp2`` on one) join a torch.distributed group
 (gloo on CPU, nccl on CUDA) that meets on rank 0's node (``rendezvous_address``, ``join_group``),
@@ -24,6 +29,7 @@ import json
 import os
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -52,12 +58,13 @@ from storage import BatchMeta
 
 if TYPE_CHECKING:
     from infra.engines.base import GenerationEngine, Sleepable
+    from infra.judge import Judge
     from infra.reward_model import RewardScorer
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-Role = Literal["rollout", "reward", "actor", "ref", "critic"]
+Role = Literal["rollout", "reward", "judge", "actor", "ref", "critic"]
 ROLES: tuple[Role, ...] = get_args(Role)
 SHARDABLE: tuple[Role, ...] = ("actor", "ref", "critic")  # a training strategy may shard these
 
@@ -74,6 +81,8 @@ class WorkerSpec:
     reference_path: str | None = None
     reward_model_path: str | None = None
     critic_path: str | None = None
+    judge_path: str | None = None
+    judge_template: str | None = None  # the template's text (``infra.judge.template_text``)
     store_url: str = "memory://"
     rank: int = 0
     world_size: int = 1
@@ -135,6 +144,7 @@ class ModelWorker:
         self.device = torch.device(cfg.resources.device)
         self.dtype = getattr(torch, cfg.models.dtype)
         self.group = ColocatedGroup(f"worker-{spec.rank}")
+        self.turn = threading.RLock()  # held through an awake() block (module docstring)
         self.version = 0
         self.applied: dict[str, Any] = {}  # results of work applied once (see ``once``)
         from storage import open_store
@@ -215,6 +225,23 @@ class ModelWorker:
             max_length=self.cfg.reward.max_length,
         )
         self.group.register("reward", self.scorer)
+
+    def _build_judge(self) -> None:
+        from infra.judge import Judge
+
+        judge = self.cfg.reward.judge
+        assert self.spec.judge_path is not None and judge is not None, "judge role needs both"
+        assert self.spec.judge_template is not None, "judge role needs judge_template"
+        self.judge = Judge(
+            self.spec.judge_path,
+            template=self.spec.judge_template,
+            device=str(self.device),
+            dtype=self.dtype,
+            max_new_tokens=judge.max_new_tokens,
+            temperature=judge.temperature,
+            batch_size=self.cfg.reward.batch_size,
+        )
+        self.group.register("judge", self.judge)
 
     def strategy(self, role: Role) -> Strategy:
         """The training engine of ``role``'s model (the reference follows the actor)."""
@@ -337,13 +364,22 @@ class ModelWorker:
     def awake(self, role: Literal["reward"]) -> AbstractContextManager[RewardScorer]: ...
 
     @overload
+    def awake(self, role: Literal["judge"]) -> AbstractContextManager[Judge]: ...
+
+    @overload
     def awake(
         self, role: Literal["actor", "ref", "critic"]
     ) -> AbstractContextManager[TrainableModel]: ...
 
     def awake(self, role: Role) -> AbstractContextManager[Sleepable]:
-        """The model of ``role``, awake inside the block and asleep again after it."""
-        return self.group.awake(role)
+        """The model of ``role``, awake inside the block and asleep again after it; another
+        thread's ``awake`` waits until the block ends (``turn``)."""
+        return self._turn_awake(role)
+
+    @contextmanager
+    def _turn_awake(self, role: Role) -> Iterator[Sleepable]:
+        with self.turn, self.group.awake(role) as model:
+            yield model
 
     @contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:
@@ -508,6 +544,7 @@ class ModelWorker:
 BUILDERS: dict[Role, Callable[[ModelWorker], None]] = {
     "rollout": ModelWorker._build_rollout,
     "reward": ModelWorker._build_reward,
+    "judge": ModelWorker._build_judge,
     "actor": ModelWorker._build_actor,
     "ref": ModelWorker._build_ref,
     "critic": ModelWorker._build_critic,

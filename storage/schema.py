@@ -157,6 +157,7 @@ VOCABULARY: Mapping[str, FieldSpec] = MappingProxyType(
         "rollout_version": FieldSpec.dense(torch.int64),
         "truncated": FieldSpec.dense(torch.bool),  # the response was cut at the token cap
         "reward_parts": FieldSpec.objects(),  # {part: unweighted value}: rm, rule, fn/<name>, ...
+        "judge_verdicts": FieldSpec.objects(),  # the LLM judge's verdict text per sample
     }
 )
 

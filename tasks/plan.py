@@ -50,6 +50,7 @@ class Scoring:
     functions: bool  # the reward functions (``reward.functions``, their own weights)
     rule: str | None  # a ``tasks.rewards.RULES`` name (None: no rule)
     rule_weight: float
+    judge_weight: float | None = None  # the LLM judge's (None: not judged; ``reward.judge``)
 
     @property
     def writes(self) -> tuple[str, ...]:
@@ -58,12 +59,13 @@ class Scoring:
             ("scores", "reward_parts")
             + (("rm_scores",) if self.model_weight is not None else ())
             + (("rule_scores",) if self.rule else ())
+            + (("judge_verdicts",) if self.judge_weight is not None else ())
         )
 
     @classmethod
     def for_training(cls, cfg: TrainConfig) -> Scoring:
-        """The run's rewards (``reward.*``); the rule is computed as the built-in task's honest
-        metric even at weight 0."""
+        """The run's rewards (``reward.*``, the judge's ``reward.judge``); the rule is computed as
+        the built-in task's honest metric even at weight 0."""
         reward = cfg.reward
         uses_rule = cfg.data.builtin or reward.rule_weight != 0
         return cls(
@@ -71,6 +73,7 @@ class Scoring:
             functions=bool(reward.functions),
             rule=reward.rule if uses_rule else None,
             rule_weight=reward.rule_weight,
+            judge_weight=reward.judge.weight if reward.judge is not None else None,
         )
 
 

@@ -1,8 +1,9 @@
-"""score: the reward model and/or reward functions, one score per sample.
+"""score: the reward model, an LLM judge and/or reward functions, one score per sample.
 
 The per-sample score is
 
-    scores = reward.model_weight * rm_score + Σ weight_i * function_i (+ reward.rule_weight * rule)
+    scores = reward.model_weight * rm_score + reward.judge.weight * judge
+             + Σ weight_i * function_i (+ reward.rule_weight * rule)
 
 - the scoring workers (the reward pool's, else the rollout pool's) each take a shard of the
   batch (``score_rows``): read ``prompt_ids``, ``response_ids``, ``raw_prompt`` (and
@@ -12,6 +13,14 @@ The per-sample score is
   the worker writes ``rm_scores`` (jagged: that score on the last real response token, an empty
   row for an empty response, never a score at index -1) and sends back its per-sample scalars.
   The reward model sleeps again whatever happens (the worker's wake/sleep block).
+- the LLM judge (``reward.judge``, ``infra.judge``), when the worker holds one, renders its
+  prompt from each sample's question, decoded response, ``ground_truth`` and ``data_source`` and
+  generates a verdict (at most ``reward.judge.max_new_tokens`` tokens, within the worker call's
+  ``orchestration.call_timeout_s``) after the reward model has gone back to sleep; the worker
+  sends the verdict texts back and the task parses them (``infra.judge.judge_scores``: a parse
+  that gives None scores ``reward.judge.on_parse_error`` and counts in
+  ``reward/judge/parse_failures``, the fraction of the batch's samples; a parse function that
+  raises fails the task with ``JudgeParseError``, nothing written) and writes ``judge_verdicts``.
 - reward functions (verl's ``compute_score`` signature) run in the flow's bounded pool of
   processes, each call bounded by ``reward.function_timeout_s`` (``infra.reward_functions``):
   they get the decoded responses from the workers and read ``ground_truth``, ``data_source``
@@ -24,10 +33,10 @@ A training batch's ``scores`` then lose the overlong penalty (``reward.overlong_
 ``rollout.max_new_tokens`` without EOS, ``truncated_rows`` on the workers, which know the EOS ids)
 for the update to leave those rows out of the actor's loss.
 
-The task then writes ``scores`` (and ``rule_scores``, ``truncated``) and ``reward_parts``: per
-sample, each part's unweighted value by name (``rm``, ``rule``, ``fn/<name>`` with the names of
-the ``reward/fn/<name>/mean`` metrics, ``overlong_penalty``), which dynamic sampling and the
-saved samples read. A NaN/inf reward-model score fails the
+The task then writes ``scores`` (and ``rule_scores``, ``judge_verdicts``, ``truncated``) and
+``reward_parts``: per sample, each part's unweighted value by name (``rm``, ``judge``, ``rule``,
+``fn/<name>`` with the names of the ``reward/fn/<name>/mean`` metrics, ``overlong_penalty``),
+which dynamic sampling and the saved samples read. A NaN/inf reward-model score fails the
 worker's shard naming its sample keys before it writes anything, and a failing reward function
 fails the task; ``scores`` is written only when every part succeeded. Rows already scored (a
 partition checkpointed in flight by ``separate_async``'s producer, then resumed) are not scored
@@ -36,8 +45,9 @@ again.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from prefect import task
@@ -59,6 +69,7 @@ from tasks.score.core import (
 )
 
 if TYPE_CHECKING:
+    from infra.judge import JudgeScores
     from infra.reward_functions import FunctionScores
 
 READS = ("prompt_ids", "response_ids", "raw_prompt", "ground_truth", "data_source", "extra_info")
@@ -79,18 +90,32 @@ class ShardScores:
     truncated: int = 0  # samples whose reward-model input was cut to reward.max_length
     rule: list[float] | None = None  # reward.rule against ground_truth, when asked
     texts: list[str] | None = None  # decoded responses, when reward functions need them
+    verdicts: list[str] | None = None  # the LLM judge's, when asked
 
 
 def score_rows(
-    worker: ModelWorker, shard: BatchMeta, *, rule: str | None, texts: bool, model: bool = True
+    worker: ModelWorker,
+    shard: BatchMeta,
+    *,
+    rule: str | None,
+    texts: bool,
+    model: bool = True,
+    judge: bool = False,
 ) -> ShardScores:
-    """Worker side: read my samples → reward model (if held and ``model``), rule, decoding →
-    write my ``rm_scores``; raises NonFiniteScoreError, writing nothing, on a NaN/inf score."""
+    """Worker side: read my samples → reward model (if held and ``model``), judge verdicts (if
+    ``judge``), rule, decoding → write my ``rm_scores``; raises NonFiniteScoreError, writing
+    nothing, on a NaN/inf score."""
     model = model and worker.has("reward")
+    if judge and not worker.has("judge"):
+        raise ValueError(
+            f"the judge was asked to score but worker {worker.spec.rank} (roles "
+            f"{', '.join(worker.spec.roles)}) holds none"
+        )
     names = (
         ("prompt_ids", "response_ids")
-        + (("raw_prompt",) if model else ())
-        + (("ground_truth",) if rule else ())
+        + (("raw_prompt",) if model or judge else ())
+        + (("ground_truth",) if rule or judge else ())
+        + (("data_source",) if judge else ())
     )
     data = worker.read(shard, names)
     responses = rows(data["response_ids"])
@@ -118,15 +143,42 @@ def score_rows(
             )
         worker.write(shard, {"rm_scores": nested(assemble_rm_scores(rm, n))})
         out.rm, out.truncated = rm.tolist(), int(scored.truncated.sum())
-    if rule or texts:
+    if rule or texts or judge:
         decoded = worker.tokenizer.batch_decode(
             [r.tolist() for r in responses], skip_special_tokens=True
         )
+        if judge:
+            out.verdicts = judge_verdicts(worker, shard, data, decoded)
         if rule:
             out.rule = rule_on_texts(rule, decoded, data["ground_truth"]).tolist()
         if texts:
             out.texts = decoded
     return out
+
+
+def judge_verdicts(
+    worker: ModelWorker, shard: BatchMeta, data: dict[str, Any], decoded: list[str]
+) -> list[str]:
+    """Worker side: the judge's verdict on each of my samples (its model awake for the block).
+    Sampling (``reward.judge.temperature`` > 0) is seeded by the run's seed, the partition and
+    the shard's first key, so a retried shard samples the same verdicts."""
+    from infra.judge import JudgeInput, question_text
+
+    samples = [
+        JudgeInput(
+            question=question_text(prompt),
+            response=text,
+            ground_truth=truth,
+            data_source=str(source),
+        )
+        for prompt, text, truth, source in zip(
+            data["raw_prompt"], decoded, data["ground_truth"], data["data_source"], strict=True
+        )
+    ]
+    where = f"{shard.partition_id}/{shard.keys[0] if shard.keys else ''}"
+    seed = worker.cfg.seed + zlib.crc32(where.encode())
+    with worker.awake("judge") as judge:
+        return judge.verdicts(samples, seed=seed)
 
 
 def rule_on_texts(rule: str, texts: list[str], ground_truth: list[object]) -> torch.Tensor:
@@ -147,6 +199,8 @@ class Scores:
     rm: torch.Tensor | None = None  # (B,)
     rule: torch.Tensor | None = None  # (B,)
     functions: FunctionScores | None = None
+    judge: torch.Tensor | None = None  # (B,) the parsed verdicts (on_parse_error where None)
+    verdicts: list[str] | None = None  # the judge's texts
     metrics: Metrics = field(default_factory=dict)
 
     def parts(self, overlong: torch.Tensor) -> list[dict[str, float]]:
@@ -154,6 +208,8 @@ class Scores:
         named: dict[str, list[float]] = {}
         if self.rm is not None:
             named["rm"] = self.rm.tolist()
+        if self.judge is not None:
+            named["judge"] = self.judge.tolist()
         if self.rule is not None:
             named["rule"] = self.rule.tolist()
         if self.functions is not None:
@@ -170,8 +226,9 @@ class Scores:
 
 
 def scoring_group(ctx: StageContext, scoring: Scoring) -> WorkerGroup:
-    """The reward model's workers when it scores, else the rollout pool's."""
-    if scoring.model_weight is not None and ctx.rt.reward_group is not None:
+    """The reward model's and judge's workers when one of them scores, else the rollout pool's."""
+    models = scoring.model_weight is not None or scoring.judge_weight is not None
+    if models and ctx.rt.reward_group is not None:
         return ctx.rt.reward_group
     return ctx.rt.rollout_group
 
@@ -212,6 +269,7 @@ def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scor
         rule=scoring.rule,
         texts=scoring.functions,
         model=scoring.model_weight is not None,
+        judge=scoring.judge_weight is not None,
     )
     out = Scores(
         total=torch.zeros(len(meta.keys), dtype=torch.float32),
@@ -241,7 +299,31 @@ def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scor
         out.rule = torch.tensor([v for p in parts for v in p.rule or ()], dtype=torch.float32)
         out.total += scoring.rule_weight * out.rule
         out.metrics["reward/rule/mean"] = float(out.rule.mean())
+    # 4. The judge's verdicts, parsed here (raises before anything is written).
+    if scoring.judge_weight is not None:
+        out.verdicts = [v for p in parts for v in p.verdicts or ()]
+        judged = _judge_scores(ctx, meta, out.verdicts)
+        out.judge = torch.tensor(judged.values, dtype=torch.float32)  # (B,)
+        out.total += scoring.judge_weight * out.judge
+        out.metrics["reward/judge/mean"] = float(out.judge.double().mean())
+        out.metrics["reward/judge/parse_failures"] = judged.failure_fraction
     return out
+
+
+def _judge_scores(ctx: StageContext, meta: BatchMeta, verdicts: list[str]) -> JudgeScores:
+    """``reward.judge.parse`` over the verdicts, in this process (``infra.judge.judge_scores``)."""
+    from infra.judge import judge_scores, load_parse_function, parse_label
+
+    judge = ctx.cfg.reward.judge
+    if judge is None:
+        raise ValueError("the judge was asked to score, but the run has no reward.judge")
+    return judge_scores(
+        verdicts,
+        meta.keys,
+        parse=load_parse_function(judge.parse),
+        label=parse_label(judge.parse),
+        on_parse_error=judge.on_parse_error,
+    )
 
 
 @task(name="score", cache_policy=NO_CACHE, task_run_name="score[step={step}]")
@@ -277,6 +359,8 @@ def score(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
     fields: dict[str, object] = {"scores": scores.total, "reward_parts": scores.parts(lost)}
     if scores.rule is not None:
         fields["rule_scores"] = scores.rule
+    if scores.verdicts is not None:
+        fields["judge_verdicts"] = scores.verdicts
     if ctx.plan.mask_truncated:
         fields["truncated"] = scores.response_truncated
     write(ctx, meta, fields)

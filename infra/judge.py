@@ -1,0 +1,377 @@
+"""A colocated LLM judge: a causal LM that reads each sample and writes a verdict, parsed to a
+score.
+
+The judge's prompt for one sample is rendered in two steps:
+
+1. ``reward.judge.template`` (Jinja: a file path, or the template text itself when it holds
+   ``{{`` or ``{%``) renders the text of ONE user message from the variables ``question`` (the
+   text of the prompt's last user message; the whole prompt when it is plain text),
+   ``response`` (the decoded response, special tokens skipped), ``ground_truth`` and
+   ``data_source``. An undefined variable is an error (``StrictUndefined``).
+2. the judge tokenizer's own chat template renders ``[{"role": "user", "content": text}]`` with
+   the generation prompt, and those ids go to ppoflow's transformers engine
+   (``infra.engines.hf``): at most ``reward.judge.max_new_tokens`` tokens, greedy at
+   ``reward.judge.temperature`` 0. The verdict is the generated text, special tokens skipped.
+
+``Judge`` holds the model on a worker (``Sleepable``: it takes turns with the other models of
+the pool). The flow process parses the verdicts with ``reward.judge.parse``: a function
+``(verdict: str) -> float | None`` from a file or module (``{path, name}``, loaded like
+``reward.functions``) or a built-in (``yes_no``, ``last_number``). None counts as a parse failure
+and scores ``reward.judge.on_parse_error``; a parse function that raises, or returns anything but
+a finite number or None, fails the batch with ``JudgeParseError`` (``judge_scores``).
+
+This module imports the standard library only at the top (Jinja, torch and transformers when
+used), so the configuration can check a template without loading a model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from jinja2 import Template
+
+__all__ = [
+    "BUILTIN_PARSERS",
+    "Judge",
+    "JudgeInput",
+    "JudgeParseError",
+    "JudgeScores",
+    "JudgeTemplateError",
+    "check_template",
+    "judge_scores",
+    "last_number",
+    "load_parse_function",
+    "question_text",
+    "render_template",
+    "template_text",
+    "yes_no",
+]
+
+ParseFn = Callable[[str], float | None]
+TEMPLATE_SETTING = "reward.judge.template"
+PARSE_SETTING = "reward.judge.parse"
+# What a template is checked with (config and input checks): every variable it may use.
+DUMMY_VARIABLES = {
+    "question": "What is 2+3?",
+    "response": "5",
+    "ground_truth": "5",
+    "data_source": "check",
+}
+
+
+# --- built-in parsers ----------------------------------------------------------------------
+
+_YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
+
+
+def yes_no(verdict: str) -> float | None:
+    """1.0 or 0.0 by the first whole word ``yes`` or ``no`` in the verdict (any case), None when
+    neither appears: "Yes, no doubt" → 1.0, " no." → 0.0, "yesterday" → None."""
+    found = _YES_NO.search(verdict)
+    if found is None:
+        return None
+    return 1.0 if found.group(1).lower() == "yes" else 0.0
+
+
+def last_number(verdict: str) -> float | None:
+    """The last number in the verdict (optional sign, digits with optional thousands commas,
+    optional decimals) as a float, None when there is none: "score: 7" → 7.0, "8 of 10" → 10.0,
+    "-1,250.5" → -1250.5."""
+    found = _NUMBER.findall(verdict)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+BUILTIN_PARSERS: dict[str, ParseFn] = {"yes_no": yes_no, "last_number": last_number}
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class JudgeTemplateError(ValueError):
+    """``reward.judge.template`` is missing, does not compile, or does not render."""
+
+
+class JudgeParseError(RuntimeError):
+    """The judge's parse function raised or returned something else than a finite number or
+    None; nothing of the batch has a score."""
+
+    def __init__(self, message: str, *, label: str, key: str) -> None:
+        super().__init__(message)
+        self.label = label
+        self.key = key
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (Prefect and Ray may carry it)
+        return (_rebuild_parse_error, (str(self), self.label, self.key))
+
+
+def _rebuild_parse_error(message: str, label: str, key: str) -> JudgeParseError:
+    return JudgeParseError(message, label=label, key=key)
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+# --- the template ------------------------------------------------------------------------------
+
+
+def template_text(template: str) -> str:
+    """The Jinja source ``template`` names: itself when it holds ``{{`` or ``{%``, else the
+    contents of that file; a missing file is a ``JudgeTemplateError`` naming the setting."""
+    if "{{" in template or "{%" in template:
+        return template
+    path = Path(template).expanduser()
+    if not path.is_file():
+        raise JudgeTemplateError(
+            f"{TEMPLATE_SETTING}={template!r}: no such file; give a Jinja file's path or the "
+            "template itself (text with {{ question }}, {{ response }}, {{ ground_truth }}, "
+            "{{ data_source }})"
+        )
+    return path.read_text()
+
+
+def compile_template(source: str) -> Template:
+    """``source`` compiled in Jinja's sandbox, undefined variables raising."""
+    from jinja2 import StrictUndefined, TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=False)
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise JudgeTemplateError(
+            f"{TEMPLATE_SETTING}: the template does not compile: {_one_line(str(exc))}"
+        ) from None
+
+
+def render_template(template: Template, variables: dict[str, Any]) -> str:
+    """The user message's text for one sample; a failure is a ``JudgeTemplateError``."""
+    from jinja2 import TemplateError
+
+    try:
+        return template.render(**variables)
+    except TemplateError as exc:
+        raise JudgeTemplateError(
+            f"{TEMPLATE_SETTING}: rendering failed: {_one_line(str(exc))} (the variables are "
+            f"{', '.join(DUMMY_VARIABLES)})"
+        ) from None
+
+
+def check_template(template: str) -> None:
+    """Compile ``template`` and render it with dummy values (``DUMMY_VARIABLES``): it must give
+    a non-empty message. Raises ``JudgeTemplateError`` naming the setting."""
+    text = render_template(compile_template(template_text(template)), dict(DUMMY_VARIABLES))
+    if not text.strip():
+        raise JudgeTemplateError(
+            f"{TEMPLATE_SETTING}: the template renders an empty message; it must write the "
+            "judge's question (use {{ question }} and {{ response }})"
+        )
+
+
+def question_text(raw_prompt: Any) -> str:
+    """The text the template gets as ``question``: the content of the prompt's last user message
+    (of its last message when none is a user's), the prompt itself when it is plain text."""
+    if isinstance(raw_prompt, str):
+        return raw_prompt
+    messages = [m for m in raw_prompt if isinstance(m, dict)]
+    users = [m for m in messages if m.get("role") == "user"] or messages
+    return str(users[-1].get("content", "")) if users else ""
+
+
+# --- parse functions -----------------------------------------------------------------------
+
+
+class ParseSpec(Protocol):
+    """What this module reads of a ``JudgeParseConfig``."""
+
+    @property
+    def path(self) -> str | None: ...
+
+    @property
+    def name(self) -> str: ...
+
+
+def parse_label(spec: ParseSpec) -> str:
+    """``path:name`` (``builtin:name`` for a built-in): how errors name the parse function."""
+    return f"{spec.path or 'builtin'}:{spec.name}"
+
+
+def load_parse_function(spec: ParseSpec) -> ParseFn:
+    """The function ``reward.judge.parse`` names: a built-in (no ``path``) or ``name`` in a
+    ``.py`` file or importable module (``infra.reward_functions.load_function``)."""
+    from infra.reward_functions import load_function
+
+    function: ParseFn = load_function(
+        spec.path, spec.name, setting=PARSE_SETTING, builtins=BUILTIN_PARSERS, kind="parse function"
+    )
+    return function
+
+
+@dataclass(frozen=True)
+class JudgeScores:
+    """Parsed verdicts in sample order: ``values`` (the judge part, ``on_parse_error`` where the
+    parse gave None) and ``failed`` (True where it gave None)."""
+
+    values: list[float]
+    failed: list[bool]
+
+    @property
+    def failure_fraction(self) -> float:
+        return sum(self.failed) / len(self.failed) if self.failed else 0.0
+
+
+def judge_scores(
+    verdicts: Sequence[str],
+    keys: Sequence[str],
+    *,
+    parse: ParseFn,
+    label: str,
+    on_parse_error: float,
+) -> JudgeScores:
+    """``parse`` over each verdict (see the module docstring); raises ``JudgeParseError`` naming
+    ``label`` and the sample key at the first call that raises or returns a bad value."""
+    values: list[float] = []
+    failed: list[bool] = []
+    for key, verdict in zip(keys, verdicts, strict=True):
+        try:
+            value = parse(verdict)
+        except Exception as exc:
+            raise JudgeParseError(
+                f"judge parse function {label} raised on sample {key!r} (verdict "
+                f"{_one_line(repr(verdict), 80)}): {type(exc).__name__}: {_one_line(str(exc))}; "
+                "nothing of this batch was written",
+                label=label,
+                key=key,
+            ) from None
+        if value is None:
+            values.append(float(on_parse_error))
+            failed.append(True)
+            continue
+        number = _finite(value)
+        if number is None:
+            raise JudgeParseError(
+                f"judge parse function {label} returned {_one_line(repr(value), 80)} on sample "
+                f"{key!r}: return a finite number, or None when the verdict does not parse; "
+                "nothing of this batch was written",
+                label=label,
+                key=key,
+            )
+        values.append(number)
+        failed.append(False)
+    return JudgeScores(values=values, failed=failed)
+
+
+def _finite(value: object) -> float | None:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+# --- the model on a worker -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JudgeInput:
+    """What the template sees of one sample."""
+
+    question: str
+    response: str
+    ground_truth: Any
+    data_source: str
+
+
+class Judge:
+    """The judge model on one worker: its own tokenizer (from ``model_path``), the rendered
+    template and a ``TransformersEngine``; ``Sleepable`` like the rollout engine. Verdicts are
+    generated in batches of ``batch_size`` prompts."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        template: str,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        batch_size: int = 64,
+    ) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        from infra.engines.hf import TransformersEngine
+        from infra.workers import pad_token_id, stop_token_ids
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.template = compile_template(template)
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.batch_size = batch_size
+        self.engine = TransformersEngine(
+            model_path,
+            device=device,
+            dtype=dtype or torch.float32,
+            eos_token_id=stop_token_ids(self.tokenizer, str(model_path)),
+            pad_token_id=pad_token_id(self.tokenizer),
+        )
+
+    @property
+    def is_awake(self) -> bool:
+        return self.engine.is_awake
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def prompt_ids(self, sample: JudgeInput) -> list[int]:
+        """The judge's prompt for ``sample``: the template's message in the judge's chat
+        template, with the generation prompt."""
+        from infra.rl_data import chat_prompt_ids
+
+        text = render_template(
+            self.template,
+            {
+                "question": sample.question,
+                "response": sample.response,
+                "ground_truth": sample.ground_truth,
+                "data_source": sample.data_source,
+            },
+        )
+        return list(chat_prompt_ids(self.tokenizer, [{"role": "user", "content": text}]))
+
+    def verdicts(self, samples: Sequence[JudgeInput], *, seed: int) -> list[str]:
+        """One verdict per sample, in order (each at most ``max_new_tokens`` tokens)."""
+        import torch
+
+        out: list[str] = []
+        for start in range(0, len(samples), self.batch_size):
+            chunk = samples[start : start + self.batch_size]
+            prompts = [torch.tensor(self.prompt_ids(s), dtype=torch.int64) for s in chunk]
+            generated = self.engine.generate(
+                prompts,
+                n=1,
+                max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature,
+                seed=seed + start,
+            )
+            out.extend(
+                self.tokenizer.batch_decode(
+                    [r.tolist() for r in generated.response_ids], skip_special_tokens=True
+                )
+            )
+        return out
