@@ -2,7 +2,7 @@
 
 After a step's update and before its partition is cleared, ``save_step_samples`` reads the
 step's rows from the store (``collect_samples``) and writes them, one JSON object per line
-(``write_samples``). ``N`` is zero-padded to six digits, as checkpoint folders are. Each object
+(``write_samples``). ``N`` is the step number as it is (``step_3.jsonl``). Each object
 holds
 
     step, uid (the sample key <prompt_uid>/<sample_index>), group, data_source,
@@ -52,7 +52,7 @@ class SamplesNotFound(FileNotFoundError):
 
 
 def samples_path(run_dir: Path, step: int) -> Path:
-    return run_dir / SAMPLES_DIR / f"step_{step:06d}.jsonl"
+    return run_dir / SAMPLES_DIR / f"step_{step}.jsonl"
 
 
 # ---------------------------------------------------------------------- from the store

@@ -67,7 +67,7 @@ def _check_steps(cfg, run_dir: Path, rows: list[dict]) -> None:
         if row["filter/kept_groups"] < want:  # short only when every round ran
             assert row["filter/rounds"] == cfg.algorithm.filter_groups.max_rounds
         samples = [
-            json.loads(x) for x in (run_dir / "samples" / f"step_{row['step']:06d}.jsonl").open()
+            json.loads(x) for x in (run_dir / "samples" / f"step_{row['step']}.jsonl").open()
         ]
         assert len(samples) == row["filter/kept_groups"] * n
         groups: dict[int, set[float]] = {}

@@ -138,7 +138,7 @@ def test_save_step_samples_follows_the_config(tokenizer: Any, tmp_path: Path) ->
     ctx = context(tokenizer, "trainer.samples_per_step=4")
     meta = put_batch(ctx, tokenizer)
     path = save_step_samples(ctx, meta, 7, tmp_path)
-    assert path == tmp_path / "samples" / "step_000007.jsonl"
+    assert path == tmp_path / "samples" / "step_7.jsonl"
     assert [s["uid"] for s in read_samples(tmp_path, 7)] == ["a/0", "a/1", "b/0", "b/1"]
     # A step that kept no group (dynamic sampling): an empty file, printed as such.
     assert collect_samples(ctx, BatchMeta(PARTITION, ()), 8, limit=4) == []
@@ -181,7 +181,7 @@ def fake_samples(step: int, n: int, *, text: str = "x") -> list[dict[str, Any]]:
 def test_write_then_read_with_a_limit_and_the_latest_step(tmp_path: Path) -> None:
     write_samples(tmp_path, 3, fake_samples(3, 5))
     path = write_samples(tmp_path, 12, fake_samples(12, 4))
-    assert path.name == "step_000012.jsonl" and path == samples_path(tmp_path, 12)
+    assert path.name == "step_12.jsonl" and path == samples_path(tmp_path, 12)
     assert saved_steps(tmp_path) == [3, 12]
     assert read_samples(tmp_path) == fake_samples(12, 4)  # the latest
     assert read_samples(tmp_path, 3, limit=2) == fake_samples(3, 2)
