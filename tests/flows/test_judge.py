@@ -1,0 +1,156 @@
+"""The LLM judge and colocated scoring in ``separate_async``, end to end: real Prefect (test
+harness), real local Ray, the tiny assets and a tiny judge built here (tests/judge_assets.py:
+its greedy verdict is "yes" whatever it reads, so every parsed verdict is 1.0).
+
+A run that ends completed has kept the one-awake rule on every worker: a second model waking
+beside another raises ``ColocationError`` and fails the step. ``timing_s/wake/<role>`` comes
+from the training pool's workers, so it shows which models took turns there."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from judge_assets import PROMPT_TEMPLATE, build_tiny_judge
+
+from infra.config import TrainConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.fixture(scope="module")
+def judge_overrides(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """``models.judge`` and ``reward.judge`` for the tiny judge, its template in a file."""
+    root = tmp_path_factory.mktemp("judge")
+    template = root / "judge.jinja"
+    template.write_text(PROMPT_TEMPLATE)
+    return [
+        f"models.judge={build_tiny_judge(root / 'judge')}",
+        f"reward.judge.template={template}",
+        "reward.judge.parse={name: yes_no}",
+        "reward.judge.weight=0.5",
+        "reward.judge.max_new_tokens=8",
+    ]
+
+
+def _run(overrides: list[str], *extra: str) -> tuple[TrainConfig, list[dict[str, Any]]]:
+    from flows.train import ppo_train
+
+    cfg = load_config(CONFIGS / "tiny.yaml", [*overrides, *extra])
+    state = ppo_train(cfg, return_state=True)
+    assert state.is_completed(), state.message
+    rows = [
+        json.loads(x) for x in (cfg.resolved_run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    return cfg, rows
+
+
+def _assert_judged(rows: list[dict[str, Any]], steps: int) -> None:
+    assert [r["step"] for r in rows] == list(range(steps))
+    for r in rows:
+        assert r["reward/judge/mean"] == 1.0 and r["reward/judge/parse_failures"] == 0.0
+        assert "reward/rm_score/mean" in r and "actor/pg_loss" in r
+
+
+def test_sync_combines_the_judge_a_reward_model_and_a_reward_function(
+    prefect_harness, ray_local, tiny_overrides, judge_overrides
+) -> None:
+    _, rows = _run(
+        tiny_overrides,
+        *judge_overrides,
+        "reward.functions=[{name: exact_match, weight: 0.25}]",
+        "trainer.total_steps=2",
+    )
+    _assert_judged(rows, 2)
+    for r in rows:
+        assert "reward/fn/exact_match/mean" in r
+        # The judge and the reward model took their turns on the training pool.
+        assert r["timing_s/wake/judge"] >= 0 and r["timing_s/wake/reward"] >= 0
+
+
+@pytest.mark.parametrize("pool", ["colocated", "own"])
+def test_separate_async_scores_with_the_judge_and_the_reward_model(
+    prefect_harness, ray_local, tiny_overrides, judge_overrides, pool
+) -> None:
+    """``colocated``: the reward model and the judge take turns with the trainer on the
+    training pool while the rollout generates on its own; ``own``: they keep a pool apart."""
+    cfg, rows = _run(
+        tiny_overrides,
+        *judge_overrides,
+        "resources.mode=separate_async",
+        f"reward.pool={pool}",
+        "trainer.total_steps=3",
+    )
+    _assert_judged(rows, 3)
+    assert max(r["rollout/staleness"] for r in rows) <= cfg.resources.max_staleness
+    # The training pool's wake timings are collected once a step, whichever step's score woke
+    # them (the producer runs ahead): some row has them when the judge shares that pool.
+    for role in ("judge", "reward"):
+        on_training_pool = any(f"timing_s/wake/{role}" in r for r in rows)
+        assert on_training_pool == (pool == "colocated"), role
+
+
+def test_the_producers_score_and_the_trainer_take_turns_on_one_training_pool(
+    ray_local, assets, tiny_overrides, judge_overrides
+) -> None:
+    """``separate_async`` with ``reward.pool: colocated``, stage by stage on real Ray workers:
+    the score task (judge and reward model on the training pool) runs in one thread while
+    another keeps the same workers' actor awake in a loop; neither sees a second model awake,
+    and the verdicts reach the store as ``judge_verdicts``."""
+    from flows.reward_model import resolve_models
+    from flows.runtime import build_runtime
+    from infra.data import read_prompt_rows
+    from infra.workers import ModelWorker
+    from tasks.context import StageContext
+    from tasks.generate.stage import generate_partition, submit_prompts
+    from tasks.score.stage import score
+
+    cfg = load_config(
+        CONFIGS / "tiny.yaml",
+        [*tiny_overrides, *judge_overrides, "resources.mode=separate_async"],
+    )
+    models = resolve_models(cfg, {k: str(v) for k, v in vars(assets).items()})
+    rt = build_runtime(cfg, models)
+    try:
+        assert rt.reward_group is rt.train_group and rt.rollout_group is not rt.train_group
+        assert {"reward", "judge", "actor"} <= set(rt.train_group.roles)
+        from transformers import AutoTokenizer
+
+        ctx = StageContext(
+            cfg=cfg, rt=rt, tokenizer=AutoTokenizer.from_pretrained(models.tokenizer)
+        )
+        rows = read_prompt_rows(Path(models.train_data or ""))[:4]
+        meta = submit_prompts(ctx, partition_id="train/step-000000", rows=rows)
+        meta = generate_partition(ctx, meta, seed=0)
+
+        def trainer_turn(worker: Any) -> list[str]:
+            with worker.awake("actor"):
+                seen = worker.awake_roles()
+                threading.Event().wait(0.05)
+            return seen
+
+        seen: list[list[str]] = []
+        stop = threading.Event()
+
+        def trainer() -> None:
+            while not stop.is_set():
+                seen.extend(rt.train_group.run(trainer_turn))
+
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        try:
+            scored = score.fn(ctx, meta, 0)
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+        assert seen and all(s == ["actor"] for s in seen)
+        assert scored.metrics["reward/judge/mean"] == 1.0
+        stored = rt.store.get_fields(scored.meta, ("judge_verdicts", "reward_parts"), timeout=5)
+        assert stored["judge_verdicts"] == ["yes"] * len(meta.keys)
+        assert all(p["judge"] == 1.0 and "rm" in p for p in stored["reward_parts"])
+        assert rt.train_group.call(ModelWorker.awake_roles) == [[]] * rt.train_group.size
+    finally:
+        rt.shutdown()
