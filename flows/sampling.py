@@ -33,14 +33,14 @@ if TYPE_CHECKING:
 
 Draw = Callable[[int, int, int], BatchMeta]  # (step, round, prompts) → the new rows' handle
 
+GENERATED = "rollout/generated_samples"  # responses generated for the step, every round's
 SUMMED = ("perf/total_num_tokens",)
 
 
 def merge_rounds(rounds: list[tuple[int, Metrics]]) -> Metrics:
     """One step's score metrics from its rounds' (each with its row count): ``*/max`` and
-    ``*/min`` over the rounds, ``perf/total_num_tokens`` summed, the rest weighted by rows."""
-    if len(rounds) == 1:
-        return dict(rounds[0][1])
+    ``*/min`` over the rounds, ``perf/total_num_tokens`` summed, the rest weighted by rows;
+    and the responses generated in all (``rollout/generated_samples``)."""
     total = sum(rows for rows, _ in rounds)
     out: Metrics = {}
     for key in dict.fromkeys(k for _, m in rounds for k in m):
@@ -53,7 +53,7 @@ def merge_rounds(rounds: list[tuple[int, Metrics]]) -> Metrics:
             out[key] = sum(v for _, v in have)
         else:
             out[key] = sum(rows * v for rows, v in have) / max(sum(r for r, _ in have), 1)
-    out["filter/generated_samples"] = float(total)
+    out[GENERATED] = float(total)
     return out
 
 
@@ -73,7 +73,8 @@ class Sampler:
         with timed("score"):
             scored = score.with_options(**retry)(ctx, meta, step)
         if not ctx.cfg.algorithm.filter_groups.enabled:
-            return scored
+            generated = float(len(scored.meta.keys))
+            return StageResult(scored.meta, {**scored.metrics, GENERATED: generated})
         return self._rounds(scored, step, timed)
 
     def _rounds(self, first: StageResult, step: int, timed: Timings) -> StageResult:

@@ -307,6 +307,23 @@ class RolloutCorrectionConfig(_Section):
         return self
 
 
+class FilterGroupsConfig(_Section):
+    """Dynamic sampling: a step keeps only the groups whose ``metric`` varies and draws further
+    prompts until ``rollout.prompts_per_step`` groups are kept or ``max_rounds`` rounds ran
+    (``tasks.filter``)."""
+
+    enabled: bool = Field(False, description="Drop groups whose metric has no spread; refill.")
+    metric: str = Field(
+        "score",
+        description=(
+            "The per-sample value whose spread within a group must be above zero: 'score' (the "
+            "combined training score), 'rule' (reward.rule against the ground truth), or the "
+            "name of one of reward.functions."
+        ),
+    )
+    max_rounds: int = Field(4, ge=1, description="Generation rounds per step at most.")
+
+
 class AlgorithmConfig(_Section):
     estimator: Estimator = Field("grpo", description="Advantage estimator; 'gae' uses a critic.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
@@ -318,6 +335,7 @@ class AlgorithmConfig(_Section):
     kl: KLConfig = Field(default_factory=KLConfig)
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus in the actor loss.")
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
     old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
         "auto",
         description=(
@@ -555,6 +573,12 @@ class FaultConfig(_Section):
     )
     step: int = Field(ge=0, description="The training step it fires at.")
     attempt: int = Field(1, ge=1, description="The stage's try it fires on (1 = the first).")
+    round: int = Field(
+        0,
+        ge=0,
+        description="generate / score: the dynamic-sampling round it fires at (0 = the step's "
+        "first; algorithm.filter_groups).",
+    )
     action: FaultAction = Field(
         description="raise: the stage raises before any side effect; delay: the workers do the "
         "work, then wait `seconds` before replying; kill_worker: the first worker's process "
@@ -743,6 +767,29 @@ class TrainConfig(_Section):
                 f"store.url={url!r} is an in-process store, but the workers read and write the "
                 "store from their own processes: set store.url to ray://NAME?shards=N (the "
                 "default is ray://ppoflow?shards=1)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_filter_groups(self) -> TrainConfig:
+        groups = self.algorithm.filter_groups
+        if not groups.enabled:
+            return self
+        if self.rollout.n < 2:
+            raise ConfigError(
+                f"algorithm.filter_groups.enabled=true needs groups of several samples, but "
+                f"rollout.n={self.rollout.n}: set rollout.n >= 2 or filter_groups.enabled=false"
+            )
+        from infra.reward_functions import function_names
+
+        functions = function_names([f.label for f in self.reward.functions])
+        rule = self.data.builtin or self.reward.rule_weight != 0
+        known = ["score"] + (["rule"] if rule else []) + functions
+        if groups.metric not in known:
+            raise ConfigError(
+                f"algorithm.filter_groups.metric={groups.metric!r} is not computed by this run: "
+                f"use one of {known} ('rule' needs the built-in task or reward.rule_weight != 0; "
+                "a function's name must be one of reward.functions)"
             )
         return self
 

@@ -328,7 +328,9 @@ def _judge_scores(ctx: StageContext, meta: BatchMeta, verdicts: list[str]) -> Ju
 
 @task(name="score", cache_policy=NO_CACHE, task_run_name="score[step={step}]")
 @faults_at("score", lambda ctx: scoring_group(ctx, ctx.plan.scoring))
-def score(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
+def score(ctx: StageContext, meta: BatchMeta, step: int, *, round: int = 0) -> StageResult:
+    """Score the rows of ``meta`` (see the module docstring); ``round`` names a dynamic-sampling
+    refill of ``step`` (``flows.sampling``), whose rows are new ones."""
     scoring = ctx.plan.scoring
     names = scoring.writes + (("truncated",) if ctx.plan.mask_truncated else ())
     # 0. Scored before a restart (a partition checkpointed in flight): nothing to redo.
