@@ -560,7 +560,7 @@ class AlertConfig(_Section):
         return self
 
 
-FaultStage = Literal["generate", "score", "logprobs", "advantage", "update", "checkpoint"]
+FaultStage = Literal["generate", "score", "filter", "logprobs", "advantage", "update", "checkpoint"]
 FaultAction = Literal["raise", "delay", "kill_worker", "kill_store_shard", "exit_flow"]
 
 
@@ -569,15 +569,15 @@ class FaultConfig(_Section):
     on its ``attempt``-th try, ``action``. Each entry fires at most once per run."""
 
     stage: FaultStage = Field(
-        description="generate | score | logprobs | advantage | update | checkpoint"
+        description="generate | score | filter | logprobs | advantage | update | checkpoint"
     )
     step: int = Field(ge=0, description="The training step it fires at.")
     attempt: int = Field(1, ge=1, description="The stage's try it fires on (1 = the first).")
     round: int = Field(
         0,
         ge=0,
-        description="generate / score: the dynamic-sampling round it fires at (0 = the step's "
-        "first; algorithm.filter_groups).",
+        description="generate / score / filter: the dynamic-sampling round it fires at (0 = the "
+        "step's first; algorithm.filter_groups).",
     )
     action: FaultAction = Field(
         description="raise: the stage raises before any side effect; delay: the workers do the "
