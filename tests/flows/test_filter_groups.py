@@ -104,8 +104,9 @@ def test_sync_with_the_colocated_reward_model_refills_and_retries_a_failed_round
     [
         ("resources.mode=colocate_async", "resources.max_staleness=1"),
         ("resources.mode=separate_async", "reward.pool=own", "algorithm.kl.monitor=false"),
+        ("resources.mode=separate_async", "reward.pool=colocated"),
     ],
-    ids=["colocate_async", "separate_async"],
+    ids=["colocate_async", "separate_async", "separate_async_colocated_rm"],
 )
 def test_async_modes_refill(prefect_harness, ray_local, tiny_overrides, tmp_path, extra) -> None:
     cfg, run_dir, rows, _ = _run(tiny_overrides, tmp_path, *extra)
