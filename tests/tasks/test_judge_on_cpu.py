@@ -346,3 +346,48 @@ def test_two_callers_in_one_worker_take_turns(judge_worker: ModelWorker) -> None
     assert not errors, errors
     assert seen == {"reward": [["reward"]] * 5, "judge": [["judge"]] * 5}
     assert judge_worker.awake_roles() == []
+
+
+# ---------------------------------------------------------------------------- where it runs
+@pytest.mark.parametrize(
+    ("mode", "pool", "train_roles", "own_pool"),
+    [
+        ("sync", "colocated", ("rollout", "reward", "judge", "actor", "ref"), ()),
+        ("sync", "own", ("rollout", "actor", "ref"), ("reward", "judge")),
+        ("separate_async", "colocated", ("reward", "judge", "actor", "ref"), ()),
+        ("separate_async", "own", ("actor", "ref"), ("reward", "judge")),
+    ],
+)
+def test_the_judge_wakes_where_the_reward_model_does(
+    mode: str, pool: str, train_roles: tuple[str, ...], own_pool: tuple[str, ...]
+) -> None:
+    """separate_async never puts a scoring model beside the rollout: colocated, the reward model
+    and the judge join the training pool; own, they get a pool of their own."""
+    from flows.runtime import _reward_roles, _train_roles
+
+    cfg = load_config(
+        None,
+        [
+            "models.reward_model=/rm",
+            "models.judge=/judge",
+            f"reward.judge.template={INLINE}",
+            f"resources.mode={mode}",
+            f"reward.pool={pool}",
+        ],
+    )
+    assert _train_roles(cfg) == train_roles
+    assert (_reward_roles(cfg) if pool == "own" else ()) == own_pool
+
+
+def test_validation_reports_the_judge_part() -> None:
+    from tasks.score.stage import Scores
+    from tasks.validate.stage import _parts
+
+    scores = Scores(
+        total=torch.tensor([1.0, 0.0]),
+        response_lengths=torch.tensor([2, 3]),
+        response_truncated=torch.tensor([False, False]),
+        judge=torch.tensor([1.0, 0.0]),
+        verdicts=["yes", "no"],
+    )
+    assert _parts(scores) == {"judge": [1.0, 0.0]}
