@@ -21,7 +21,6 @@ import importlib.util
 import math
 import os
 import re
-import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +32,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal, NamedTuple, Protocol
+
+from infra.bounded_calls import CallTimeout, call_with_timeout, kill_executor, spawn_executor
 
 __all__ = [
     "BUILTIN_FUNCTIONS",
@@ -55,7 +56,6 @@ RewardFn = Callable[..., Any]
 
 _CHUNKS_PER_WORKER = 4  # chunks per worker per batch: few IPC round trips, still balanced
 _START_TIMEOUT_S = 120.0  # spawning the workers and loading every function
-_REFIRE_S = 0.05  # after a timeout the alarm repeats until the call gives up control
 _REPR_CHARS = 80
 
 
@@ -338,10 +338,6 @@ def metrics(fs: FunctionScores) -> dict[str, float]:
 # --- the worker side (runs in the pool's processes) --------------------------------------
 
 
-class _CallTimeout(BaseException):
-    """Raised by SIGALRM inside a call; a BaseException so `except Exception` does not eat it."""
-
-
 class _Problem(NamedTuple):
     kind: ErrorKind
     detail: str
@@ -360,8 +356,6 @@ class _WorkerState:
     load_error: str | None
     timeout_s: float
     barrier: Any
-    armed: bool = False
-    fired: bool = False
 
 
 _STATE: _WorkerState | None = None  # set once per worker process by _init_worker
@@ -378,13 +372,6 @@ def _init_worker(specs: list[_Spec], timeout_s: float, barrier: Any) -> None:
     _STATE = _WorkerState(functions, error, timeout_s, barrier)
 
 
-def _on_alarm(signum: int, frame: object) -> None:
-    assert _STATE is not None
-    _STATE.fired = True
-    if _STATE.armed:
-        raise _CallTimeout
-
-
 def _worker_ready() -> tuple[int, str | None]:
     """Waits until every worker holds one of these calls, so all are started and loaded."""
     assert _STATE is not None
@@ -393,29 +380,15 @@ def _worker_ready() -> tuple[int, str | None]:
 
 
 def _bounded_call(function: RewardFn, sample: RewardSample, state: _WorkerState) -> Any:
-    """The call, interrupted after ``timeout_s`` (the alarm repeats if the function swallows it).
-
-    The handler is set again per call: a function that sets its own SIGALRM handler or
-    ``signal.alarm`` replaces this timer, and then only the parent's backstop bounds that call.
-    """
-    signal.signal(signal.SIGALRM, _on_alarm)
-    state.fired, state.armed = False, True
-    signal.setitimer(signal.ITIMER_REAL, state.timeout_s, _REFIRE_S)
-    try:
-        try:
-            value = function(
-                data_source=sample.data_source,
-                solution_str=sample.solution_str,
-                ground_truth=sample.ground_truth,
-                extra_info=sample.extra_info,
-            )
-        finally:
-            state.armed = False
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    if state.fired:
-        raise _CallTimeout
-    return value
+    """The call, interrupted after ``timeout_s`` (``infra.bounded_calls``)."""
+    return call_with_timeout(
+        function,
+        state.timeout_s,
+        data_source=sample.data_source,
+        solution_str=sample.solution_str,
+        ground_truth=sample.ground_truth,
+        extra_info=sample.extra_info,
+    )
 
 
 def _as_finite(value: Any) -> float | None:
@@ -446,7 +419,7 @@ def _parse_value(value: Any) -> Outcome | _Problem:
 def _call_one(function: RewardFn, sample: RewardSample, state: _WorkerState) -> Outcome | _Problem:
     try:
         value = _bounded_call(function, sample, state)
-    except _CallTimeout:
+    except CallTimeout:
         return _Problem("timeout", f"no result in {state.timeout_s:g} s")
     except BaseException as exc:
         return _Problem("raised", f"{type(exc).__name__}: {_one_line(str(exc))}")
@@ -545,13 +518,9 @@ class RewardFunctionPool:
         """Spawns the workers and waits until each holds its functions."""
         if self._executor is not None:
             return self._executor
-        context = get_context("spawn")
-        barrier = context.Barrier(self._workers)
-        executor = ProcessPoolExecutor(
-            self._workers,
-            mp_context=context,
-            initializer=_init_worker,
-            initargs=(self._specs, self._timeout_s, barrier),
+        barrier = get_context("spawn").Barrier(self._workers)
+        executor = spawn_executor(
+            self._workers, _init_worker, (self._specs, self._timeout_s, barrier)
         )
         self._executor = executor
         futures = [executor.submit(_worker_ready) for _ in range(self._workers)]
@@ -582,11 +551,7 @@ class RewardFunctionPool:
     def _kill(self) -> None:
         """Terminates the worker processes at once (a stuck call never returns)."""
         executor, self._executor = self._executor, None
-        if executor is None:
-            return
-        for process in list((getattr(executor, "_processes", None) or {}).values()):
-            process.kill()
-        executor.shutdown(wait=True, cancel_futures=True)
+        kill_executor(executor)
 
     def _run_chunks(self, chunks: list[_Chunk]) -> list[list[list[Outcome]]]:
         """Results per chunk, with at most one chunk per worker in flight.
