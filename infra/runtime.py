@@ -15,7 +15,7 @@ from storage import Store
 @dataclass
 class Runtime:
     """The run's compute handles. ``rollout_group`` and ``reward_group`` are the training group
-    itself when they share its pool; ``reward_group`` is None without a reward model and
+    itself when they share its pool; ``reward_group`` is None without a reward model or judge and
     ``reward_pool`` None without reward functions."""
 
     store: Store

@@ -50,11 +50,10 @@ def test_bad_values_name_the_field(override: str, names: str) -> None:
         load_config(None, [override])
 
 
-def test_separate_async_refuses_a_colocated_reward_model_before_taking_resources() -> None:
-    with pytest.raises(ConfigError) as info:
-        load_config(None, ["resources.mode=separate_async"])
-    message = str(info.value)
-    assert "reward.pool='own'" in message and "separate_async" in message
+def test_separate_async_takes_a_colocated_or_an_own_reward_pool() -> None:
+    """separate_async: ``colocated`` puts the reward model on the training pool, beside the
+    trainer; ``own`` gives it a pool of its own."""
+    assert load_config(None, ["resources.mode=separate_async"]).reward.pool == "colocated"
     cfg = load_config(None, ["resources.mode=separate_async", "reward.pool=own"])
     assert cfg.reward.pool == "own"
 
