@@ -89,6 +89,7 @@ def _rendered(
     cfg: TrainConfig, files: list[Path], tokenizer: PreTrainedTokenizerBase, setting: str
 ) -> RenderedPrompts:
     from infra.data import read_rl_rows, render_prompts
+    from infra.tools import tool_schemas
 
     rows = read_rl_rows(files, cfg.data, setting=setting)
     return render_prompts(
@@ -97,6 +98,7 @@ def _rendered(
         max_prompt_length=cfg.data.max_prompt_length,
         truncation=cfg.data.truncation,
         setting=setting,
+        tools=tool_schemas(cfg.rollout.tools),
     )
 
 
@@ -163,6 +165,7 @@ def heldout_rows(
 ) -> list[PromptRow]:
     """The built-in task's held-out prompts for the rule accuracy (first ``trainer.eval_prompts``)."""
     from infra.data import read_prompt_rows, render_prompts
+    from infra.tools import tool_schemas
 
     rows = read_prompt_rows(_builtin_file(models.heldout_data))[: cfg.trainer.eval_prompts]
     return list(
@@ -172,5 +175,6 @@ def heldout_rows(
             max_prompt_length=cfg.data.max_prompt_length,
             truncation="error",
             setting="data.val_files",
+            tools=tool_schemas(cfg.rollout.tools),
         ).rows
     )

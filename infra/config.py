@@ -113,6 +113,14 @@ class WarmstartConfig(_Section):
     )
 
 
+class ToolConfig(_Section):
+    """One tool of multi-turn rollouts: a Python function whose signature and docstring give its
+    JSON schema (``infra.tools``)."""
+
+    path: str = Field(description="A .py file or an importable module.")
+    name: str = Field(description="The function's name in it; the policy calls the tool by it.")
+
+
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="Generation engine: transformers or vLLM (GPU)."
@@ -150,6 +158,26 @@ class RolloutConfig(_Section):
             "(their scores still count in their group's advantage statistics)."
         ),
     )
+    tools: list[ToolConfig] = Field(
+        default_factory=list,
+        description=(
+            "Tools the policy may call (Hermes <tool_call> format); the prompts are rendered "
+            "with their schemas."
+        ),
+    )
+    max_turns: int = Field(
+        1, ge=1, description="Assistant turns per rollout (1: one answer, no tool turn)."
+    )
+    max_tool_response_tokens: int = Field(
+        256, ge=1, description="A tool answer longer than this many tokens is cut (counted)."
+    )
+    tool_timeout_s: float = Field(10.0, gt=0, description="Per tool call; then it is killed.")
+    tool_workers: int = Field(2, ge=1, description="Processes that run tool calls.")
+
+    @property
+    def multi_turn(self) -> bool:
+        """Rollouts run the agent loop (``infra.agent_loop``): tools or several turns."""
+        return self.max_turns > 1 or bool(self.tools)
 
 
 class RewardFunctionConfig(_Section):

@@ -213,12 +213,14 @@ def render_prompts(
     max_prompt_length: int,
     truncation: Truncation,
     setting: str = "data.train_files",
+    tools: list[dict[str, Any]] | None = None,
 ) -> RenderedPrompts:
     """Fill each row's ``prompt_ids`` with its chat-templated prompt, enforcing the length limit.
 
     ``truncation``: ``error`` raises ``PromptTooLongError`` on the first long prompt, ``left``
     keeps its last ``max_prompt_length`` tokens, ``drop`` skips the row. ``setting`` names the
-    files the rows came from (for the error when every row is dropped).
+    files the rows came from (for the error when every row is dropped); ``tools`` the tools'
+    JSON schemas the template renders (``rollout.tools``).
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
@@ -228,7 +230,7 @@ def render_prompts(
     kept: list[PromptRow] = []
     truncated = dropped = 0
     for row in rows:
-        ids = _prompt_ids(tokenizer, row)
+        ids = _prompt_ids(tokenizer, row, tools)
         if len(ids) > max_prompt_length:
             if truncation == "error":
                 raise PromptTooLongError(
@@ -250,19 +252,29 @@ def render_prompts(
     return RenderedPrompts(rows=tuple(kept), truncated=truncated, dropped=dropped, longest=longest)
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Any) -> tuple[int, ...]:
-    """The tokenizer's chat template over ``messages`` with the generation prompt, as ids
-    (transformers returns a list, or ``input_ids`` of a dict)."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Any,
+    *,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> tuple[int, ...]:
+    """The tokenizer's chat template over ``messages`` with the generation prompt (and the tools'
+    JSON schemas, ``rollout.tools``), as ids (transformers returns a list, or ``input_ids`` of a
+    dict)."""
+    out = tokenizer.apply_chat_template(
+        messages, tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=True
+    )
     # One conversation, tokenized: a list of ids (the stub's return type covers every mode).
     ids = out["input_ids"] if isinstance(out, Mapping) else cast(list[int], out)
     return tuple(int(token) for token in ids)
 
 
-def _prompt_ids(tokenizer: PreTrainedTokenizerBase, row: PromptRow) -> tuple[int, ...]:
+def _prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, row: PromptRow, tools: list[dict[str, Any]] | None
+) -> tuple[int, ...]:
     """``chat_prompt_ids`` of a row; a template error names the row and the settings."""
     try:
-        return chat_prompt_ids(tokenizer, row.raw_prompt)
+        return chat_prompt_ids(tokenizer, row.raw_prompt, tools=tools)
     except Exception as err:  # a template error names neither the row nor the setting
         raise DataError(
             f"{row.origin or row.uid}: the chat template failed on this prompt "

@@ -158,6 +158,12 @@ VOCABULARY: Mapping[str, FieldSpec] = MappingProxyType(
         "truncated": FieldSpec.dense(torch.bool),  # the response was cut at the token cap
         "reward_parts": FieldSpec.objects(),  # {part: unweighted value}: rm, rule, fn/<name>, ...
         "judge_verdicts": FieldSpec.objects(),  # the LLM judge's verdict text per sample
+        "loss_mask": FieldSpec.jagged(torch.bool),  # True on sampled tokens, False on tool tokens
+        "messages": FieldSpec.objects(),  # a multi-turn sample's whole conversation
+        "num_turns": FieldSpec.dense(torch.int64),  # assistant turns the policy generated
+        "tool_calls": FieldSpec.dense(torch.int64),  # tool calls the sample asked for
+        "tool_errors": FieldSpec.dense(torch.int64),  # of those, the ones that failed
+        "truncated_tool_responses": FieldSpec.dense(torch.int64),  # tool answers cut
     }
 )
 

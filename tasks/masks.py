@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["lengths_to_mask", "masked_mean", "masked_sum", "masked_var", "masked_whiten"]
+__all__ = [
+    "last_true",
+    "lengths_to_mask",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+]
 
 
 def lengths_to_mask(lengths: Tensor, width: int) -> Tensor:
@@ -27,6 +34,18 @@ def lengths_to_mask(lengths: Tensor, width: int) -> Tensor:
         )
     positions = torch.arange(width, device=lengths.device)  # (width,)
     return positions.unsqueeze(0) < lengths.unsqueeze(1)  # (B, width)
+
+
+def last_true(mask: Tensor) -> Tensor:
+    """(B,) int64: one past the last True position of each row of ``mask`` (B, T); 0 for a row
+    without one. For a right-padded mask this is its length."""
+    width = mask.shape[1]
+    positions = torch.arange(1, width + 1, device=mask.device)  # (T,)
+    return (
+        torch.where(mask, positions, 0).amax(dim=1)
+        if width
+        else mask.new_zeros(mask.shape[0], dtype=torch.int64)
+    )
 
 
 def masked_sum(values: Tensor, mask: Tensor, *, dim: int | None = None) -> Tensor:

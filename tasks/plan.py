@@ -23,6 +23,10 @@ and handed to the stages.
   ``none``.
 - ``mask_truncated``: responses cut at ``rollout.max_new_tokens`` without EOS leave the actor's
   loss (``rollout.mask_truncated``): the score stage writes ``truncated``, the update reads it.
+- ``multi_turn``: rollouts run the agent loop (``rollout.tools`` or ``rollout.max_turns`` > 1)
+  and store a ``loss_mask`` (False on tool-message tokens): the advantage stage ANDs it into the
+  ``response_mask`` it writes (estimators, KL penalty, metrics) and logs ``agent/*``; the update
+  ANDs it into the actor's and the critic's masks (loss, entropy, KL loss, correction).
 - ``advantage_reads`` and ``update_fields``: what those two stages read (the update takes the
   policy's log-probs field under the name ``old_logprobs``, and the behaviour policy's
   ``rollout_logprobs`` for the correction and the ``rollout_corr/*`` metrics).
@@ -35,6 +39,7 @@ from typing import Literal
 
 from infra.config import TrainConfig
 
+AGENT_READS = ("loss_mask", "num_turns", "tool_calls", "tool_errors", "truncated_tool_responses")
 PolicyLogprobs = Literal["old_logprobs", "rollout_logprobs"]
 ForwardPass = Literal["old_logprobs", "ref_logprobs", "values"]
 Correction = Literal[
@@ -90,6 +95,7 @@ class StepPlan:
     kl_to_ref_at: Literal["advantage", "update"] | None
     rollout_correction: Correction
     mask_truncated: bool
+    multi_turn: bool
     advantage_reads: tuple[str, ...]
     update_fields: dict[str, str]
 
@@ -123,6 +129,9 @@ class StepPlan:
             update["truncated"] = "truncated"
         if critic:
             update.update(values="values", returns="returns")
+        multi_turn = cfg.rollout.multi_turn
+        if multi_turn:
+            update["loss_mask"] = "loss_mask"
         return cls(
             scoring=Scoring.for_training(cfg),
             old_logprobs=old,
@@ -133,9 +142,11 @@ class StepPlan:
             kl_to_ref_at=kl_at,
             rollout_correction=_rollout_correction(cfg),
             mask_truncated=cfg.rollout.mask_truncated,
+            multi_turn=multi_turn,
             advantage_reads=("response_ids", "scores", "group_ids")
             + policy
-            + (("values",) if critic else ()),
+            + (("values",) if critic else ())
+            + (AGENT_READS if multi_turn else ()),
             update_fields=update,
         )
 

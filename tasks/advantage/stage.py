@@ -7,7 +7,9 @@ pure tensor math of ``compute`` and writes the rows back. The KL coefficient com
 argument and nothing here moves the controller: the task returns the batch's KL penalty
 (``AdvantageResult.reward_kl``) and the controller moves on it when the step commits
 (flows.loop), so a retried task computes the same rows. What the stage reads, and whether it
-measures ``actor/kl_to_ref``, is the step plan's (``tasks.plan``).
+measures ``actor/kl_to_ref``, is the step plan's (``tasks.plan``). In a multi-turn run the
+written ``response_mask`` is True on sampled tokens only (``loss_mask``), the score sits on the
+last sampled token, and the stage logs the ``agent/*`` metrics of the batch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from torch import Tensor
 
+from infra.agent_loop import agent_metrics
 from infra.config import TrainConfig
 from infra.workers import ModelWorker
 from storage import BatchMeta
@@ -25,8 +28,8 @@ from tasks.advantage.core import run_estimator
 from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.io import from_padded, lengths, padded
 from tasks.kl import apply_kl_penalty, kl_penalty
-from tasks.masks import masked_mean
-from tasks.plan import StepPlan
+from tasks.masks import last_true, masked_mean
+from tasks.plan import AGENT_READS, StepPlan
 from tasks.score.core import lengths_to_mask, place_scores
 
 WRITES = ("response_mask", "token_rewards", "advantages", "returns")
@@ -62,13 +65,18 @@ def compute(
     n = lengths(data["response_ids"])  # (B,)
     width = int(n.max()) if len(n) else 0
     mask = lengths_to_mask(n, width)  # (B, T)
+    metrics: Metrics = {}
+    scored_at = n  # (B,) the score goes on token scored_at - 1
+    if plan.multi_turn:
+        mask = mask & padded(data["loss_mask"], width).bool()  # (B, T) sampled tokens only
+        scored_at = last_true(mask)  # (B,) the last sampled token, not a tool token
+        metrics.update(agent_metrics(**{k: data[k] for k in AGENT_READS if k != "loss_mask"}))
     d: dict[str, Tensor] = {
         "scores": data["scores"].float(),
         "group_ids": data["group_ids"],
         "response_mask": mask,
     }
-    d["token_rewards"] = place_scores(d["scores"], n, width)  # (B, T)
-    metrics: Metrics = {}
+    d["token_rewards"] = place_scores(d["scores"], scored_at, width)  # (B, T)
     reward_kl = None
     if plan.kl_to_ref_at == "advantage" and plan.old_logprobs is not None:
         logprobs = padded(data[plan.old_logprobs], width).float()

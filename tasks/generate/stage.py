@@ -5,17 +5,24 @@ worker reads its prompts' ``prompt_ids`` from the store, generates, and writes
 ``response_ids``, ``rollout_logprobs``, ``group_ids`` and ``rollout_version`` for its prompts'
 sample keys (``generate_rows``). The seed is a function of (run seed, step, shard), so a
 retried task regenerates identical rows and its puts are no-ops.
+
+Multi-turn rollouts (``rollout.tools`` or ``rollout.max_turns`` > 1) run the agent loop
+(``infra.agent_loop``) instead of one ``generate`` call, with the worker's tool pool, and also
+write ``loss_mask``, ``messages``, ``num_turns``, ``tool_calls``, ``tool_errors`` and
+``truncated_tool_responses`` (``AGENT_WRITES``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from infra.agent_loop import AgentSettings, run_agent_loop
 from infra.data import PromptRow, chat_prompt_ids
+from infra.tools import ToolPool, tool_schemas
 from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.context import StageContext, faults_at
@@ -28,6 +35,14 @@ T = TypeVar("T")
 
 READS = ("prompt_ids",)
 WRITES = ("response_ids", "rollout_logprobs", "group_ids", "rollout_version")
+AGENT_WRITES = (
+    "loss_mask",
+    "messages",
+    "num_turns",
+    "tool_calls",
+    "tool_errors",
+    "truncated_tool_responses",
+)
 PROMPT_FIELDS = ("prompt_ids", "raw_prompt", "ground_truth", "data_source", "extra_info")
 
 
@@ -36,14 +51,19 @@ def sample_keys(uids: list[str], n: int) -> list[str]:
     return [f"{uid}/{i}" for uid in uids for i in range(n)]
 
 
-def row_prompt_ids(tokenizer: PreTrainedTokenizerBase | None, row: PromptRow) -> torch.Tensor:
+def row_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase | None,
+    row: PromptRow,
+    tools: list[dict[str, Any]] | None = None,
+) -> torch.Tensor:
     """A row's prompt ids as a tensor: those ``infra.data.render_prompts`` filled in, else the
-    policy's chat template rendered now (the built-in task's short prompts)."""
+    policy's chat template rendered now with the tools' schemas (the built-in task's short
+    prompts)."""
     if row.prompt_ids:
         return torch.tensor(row.prompt_ids, dtype=torch.int64)
     if tokenizer is None:
         raise ValueError(f"prompt {row.uid!r} is not rendered and this context has no tokenizer")
-    return torch.tensor(chat_prompt_ids(tokenizer, row.raw_prompt), dtype=torch.int64)
+    return torch.tensor(chat_prompt_ids(tokenizer, row.raw_prompt, tools=tools), dtype=torch.int64)
 
 
 def submit_prompts(
@@ -51,7 +71,8 @@ def submit_prompts(
 ) -> BatchMeta:
     """Put the prompt fields of ``rows`` for every sample key."""
     n = ctx.cfg.rollout.n if n is None else n
-    ids = [row_prompt_ids(ctx.tokenizer, row) for row in rows]
+    schemas = tool_schemas(ctx.cfg.rollout.tools)
+    ids = [row_prompt_ids(ctx.tokenizer, row, schemas) for row in rows]
     keys = sample_keys([row.uid for row in rows], n)
     meta = BatchMeta(partition_id=partition_id, keys=tuple(keys), fields=())
 
@@ -94,6 +115,10 @@ def generate_rows(
     """Worker side: read my prompts → ``n`` samples each → write my samples' rows. Prompt i of
     the shard is group ``first_group + i``. Returns the policy version that generated them."""
     cfg = worker.cfg.rollout
+    if cfg.multi_turn:
+        return agent_rows(
+            worker, prompts, n=n, seed=seed, first_group=first_group, temperature=temperature
+        )
     prompt_ids = worker.read(prompts, READS)["prompt_ids"]
     with worker.awake("rollout") as engine:
         out = engine.generate(
@@ -112,6 +137,74 @@ def generate_rows(
         {
             "response_ids": nested(out.response_ids),
             "rollout_logprobs": nested(out.rollout_logprobs),
+            "group_ids": groups.repeat_interleave(n),  # (P * n,)
+            "rollout_version": torch.full((count * n,), worker.version, dtype=torch.int64),
+        },
+    )
+    return worker.version
+
+
+def tool_pool(worker: ModelWorker) -> ToolPool:
+    """The worker's tool pool, made on first use and kept."""
+    cfg = worker.cfg.rollout
+    return worker.once(
+        "tool-pool",
+        lambda: ToolPool(cfg.tools, workers=cfg.tool_workers, timeout_s=cfg.tool_timeout_s),
+    )
+
+
+def agent_rows(
+    worker: ModelWorker,
+    prompts: BatchMeta,
+    *,
+    n: int,
+    seed: int,
+    first_group: int,
+    temperature: float | None = None,
+) -> int:
+    """``generate_rows`` for multi-turn rollouts: the agent loop, one row per trajectory."""
+    cfg = worker.cfg.rollout
+    data = worker.read(prompts, ("prompt_ids", "raw_prompt"))
+    settings = AgentSettings(
+        max_turns=cfg.max_turns,
+        max_new_tokens=cfg.max_new_tokens,
+        max_tool_response_tokens=cfg.max_tool_response_tokens,
+        temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p,
+        min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
+    )
+    with worker.awake("rollout") as engine:
+        out = run_agent_loop(
+            engine,
+            worker.tokenizer,
+            prompt_ids=rows(data["prompt_ids"]),
+            raw_prompts=list(data["raw_prompt"]),
+            n=n,
+            seed=seed,
+            settings=settings,
+            tools=tool_pool(worker),
+            tool_schemas=tool_schemas(cfg.tools),
+            eos_token_ids=worker.eos_ids,
+        )
+    count = len(prompts.keys)
+    groups = torch.arange(first_group, first_group + count, dtype=torch.int64)  # (P,)
+
+    def ints(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(t, name) for t in out], dtype=torch.int64)  # (P * n,)
+
+    worker.write(
+        sample_meta(prompts, n),
+        {
+            "response_ids": nested([torch.tensor(t.response_ids, dtype=torch.int64) for t in out]),
+            "rollout_logprobs": nested(
+                [torch.tensor(t.rollout_logprobs, dtype=torch.float32) for t in out]
+            ),
+            "loss_mask": nested([torch.tensor(t.loss_mask, dtype=torch.bool) for t in out]),
+            "messages": [t.messages for t in out],
+            "num_turns": ints("num_turns"),
+            "tool_calls": ints("tool_calls"),
+            "tool_errors": ints("tool_errors"),
+            "truncated_tool_responses": ints("truncated_tool_responses"),
             "group_ids": groups.repeat_interleave(n),  # (P * n,)
             "rollout_version": torch.full((count * n,), worker.version, dtype=torch.int64),
         },
@@ -150,7 +243,12 @@ def generate_partition(
             for rank, (shard, start) in enumerate(zip(shards, starts, strict=True))
         ],
     )
-    return meta.with_fields(*WRITES)
+    return meta.with_fields(*written(ctx))
+
+
+def written(ctx: StageContext) -> tuple[str, ...]:
+    """The fields a generation writes: ``WRITES``, and ``AGENT_WRITES`` for multi-turn runs."""
+    return WRITES + (AGENT_WRITES if ctx.cfg.rollout.multi_turn else ())
 
 
 @task(name="generate", cache_policy=NO_CACHE, task_run_name="generate[step={step}]")
@@ -166,7 +264,7 @@ def generate(
     for offset, meta in enumerate(metas):
         done = ctx.rt.store.kv_list(meta.partition_id)
         if all("response_ids" in done.get(k, ()) for k in meta.keys):
-            out.append(meta.with_fields(*WRITES))  # produced ahead of time (colocate_async)
+            out.append(meta.with_fields(*written(ctx)))  # produced ahead (colocate_async)
             continue
         seed = generation_seed(ctx.cfg.seed, step + offset, round)
         out.append(generate_partition(ctx, meta, seed=seed, first_group=first_group))

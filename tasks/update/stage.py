@@ -14,7 +14,9 @@ batch sizes are the configured (global) ones divided by the world size (``actor_
 The actor's loss is corrected against the behaviour policy's ``rollout_logprobs`` as the step
 plan says (``StepPlan.rollout_correction``, ``tasks.update.correction``), and rows the plan
 masks (``truncated``, with ``rollout.mask_truncated``) leave the actor's loss mask only: their
-advantages were already computed with their group, and the critic still fits them.
+advantages were already computed with their group, and the critic still fits them. In a
+multi-turn run (``StepPlan.multi_turn``) the stored ``loss_mask`` leaves tool-message tokens out
+of both the actor's and the critic's masks.
 """
 
 from __future__ import annotations
@@ -89,7 +91,11 @@ def _update(
     batch = read_packed(worker, shard)
     data = worker.read(shard, tuple(fields))
     truncated = data.pop("truncated", None)  # (B,) bool: rows left out of the actor's loss
+    loss_mask = data.pop("loss_mask", None)  # jagged bool: False on tool tokens (multi-turn)
     width = batch.response_mask.shape[1]
+    if loss_mask is not None:
+        sampled = batch.response_mask & padded(loss_mask, width).bool()  # (B, T)
+        batch = dataclasses.replace(batch, response_mask=sampled)
     given = {fields[name]: padded(value, width).float() for name, value in data.items()}
     actor_batch = batch
     if truncated is not None:

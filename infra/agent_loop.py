@@ -1,0 +1,357 @@
+"""The multi-turn agent loop: sample → parse tool calls → run tools → append the tool messages'
+tokens → sample again, token-in/token-out over any ``GenerationEngine``.
+
+``run_agent_loop`` drives the engine's ``generate`` (ids in, ids out) turn by turn:
+
+1. Turn 1 samples ``n`` responses per prompt, exactly as a single-turn rollout does.
+2. Each turn's sampled ids are kept as sampled (``loss_mask`` True, the engine's log-probs); a
+   turn that wrote a complete ``</tool_call>`` is cut right after it.
+3. The turn's text is read for Hermes tool calls, ``<tool_call>{"name": …, "arguments": {…}}
+   </tool_call>``; each call runs in the tool runner (``infra.tools.ToolPool``), and a call that
+   does not parse, names an unknown tool, takes the wrong arguments, raises or times out becomes
+   an error ``tool`` message, counted.
+4. The tool messages are rendered by the chat template and only the tokens the template adds
+   after the sampled ones are appended (``tool_turn_ids``; ``loss_mask`` False, log-prob 0):
+   nothing already sampled is ever re-tokenized.
+5. The rollout ends at an answer without a tool call, after ``max_turns`` assistant turns, or
+   when ``max_new_tokens`` — the budget of the whole response, tool tokens included — is spent.
+
+Pure of Prefect, Ray and the store: it imports torch and the engine contract only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor
+
+from infra.engines.base import GenerationEngine
+from infra.tools import ToolCall, ToolResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase as Tokenizer
+
+__all__ = [
+    "AgentSettings",
+    "AgentTemplateError",
+    "ToolRunner",
+    "Trajectory",
+    "agent_metrics",
+    "final_answer",
+    "parse_tool_calls",
+    "run_agent_loop",
+    "tool_turn_ids",
+]
+
+TOOL_CALL_END = "</tool_call>"
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_TURN_SEED_STRIDE = 1_000_003
+
+
+class AgentTemplateError(ValueError):
+    """The chat template cannot render a tool turn after the sampled text (see the message)."""
+
+
+class ToolRunner(Protocol):
+    """Runs tool calls: one result per call, in order, never raising for a bad call."""
+
+    def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]: ...
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """The rollout's settings for one batch (``rollout.*``)."""
+
+    max_turns: int
+    max_new_tokens: int
+    max_tool_response_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    min_new_tokens: int = 0
+
+
+@dataclass
+class Trajectory:
+    """One multi-turn sample: every token after the prompt and what produced it.
+
+    ``response_ids`` (T,) the sampled tokens and the tool messages' tokens; ``loss_mask`` (T,)
+    True on sampled tokens; ``rollout_logprobs`` (T,) the engine's, 0 on tool tokens;
+    ``messages`` the conversation (prompt, assistant turns as sampled, tool results);
+    ``num_turns`` assistant turns generated; ``tool_calls``/``tool_errors`` calls asked for and
+    those that failed; ``truncated_tool_responses`` tool answers cut at
+    ``max_tool_response_tokens``.
+    """
+
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    segments: list[tuple[str, list[int]]] = field(default_factory=list)  # ("sampled"|"tool", ids)
+    num_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated_tool_responses: int = 0
+    done: bool = False
+
+    def extend(self, ids: list[int], logprobs: list[float] | None) -> None:
+        sampled = logprobs is not None
+        self.response_ids += ids
+        self.loss_mask += [sampled] * len(ids)
+        self.rollout_logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.segments.append(("sampled" if sampled else "tool", list(ids)))
+
+
+def parse_tool_calls(text: str) -> list[ToolCall | ToolResult]:
+    """The Hermes tool calls in ``text``, in order; a call that does not parse is an error
+    ``ToolResult`` in its place."""
+    out: list[ToolCall | ToolResult] = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as exc:
+            out.append(ToolResult(f"error: the tool call is not JSON ({exc.msg})", True))
+            continue
+        name = value.get("name") if isinstance(value, dict) else None
+        arguments = value.get("arguments", {}) if isinstance(value, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            out.append(
+                ToolResult(
+                    'error: a tool call is {"name": <tool>, "arguments": {<name>: <value>}}', True
+                )
+            )
+            continue
+        out.append(ToolCall(name, arguments))
+    return out
+
+
+def _render(tokenizer: Tokenizer, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    return str(text)
+
+
+def tool_turn_ids(
+    tokenizer: Tokenizer,
+    conversation: list[dict[str, Any]],
+    tool_messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None,
+    eos_text: str | None,
+) -> list[int]:
+    """The ids the chat template adds after the last assistant turn's sampled text when
+    ``tool_messages`` follow it, up to and including the next assistant generation prompt.
+
+    The conversation is rendered without and with the tool messages; the new text starts where
+    the assistant's content ends in the first rendering (after its EOS text when the turn ended
+    with ``eos_text``, which the policy sampled). The template's special tokens delimit it, so
+    its ids are those of the whole rendering's tail.
+    """
+    before = _render(tokenizer, conversation, tools=tools)
+    after = _render(
+        tokenizer, conversation + tool_messages, tools=tools, add_generation_prompt=True
+    )
+    content = str(conversation[-1].get("content") or "")
+    start = before.rfind(content) if content else -1
+    new = after[len(before) :]
+    if (
+        not after.startswith(before)
+        or start < 0
+        or any(str(m["content"]) not in new for m in tool_messages)
+    ):
+        raise AgentTemplateError(
+            "the chat template does not render a tool turn as an extension of the conversation "
+            "with the assistant's text verbatim; use a template with a `tool` role (Hermes/"
+            "ChatML style) for rollout.tools"
+        )
+    tail = after[start + len(content) :]
+    if eos_text and tail.startswith(eos_text):
+        tail = tail[len(eos_text) :]
+    return list(tokenizer.encode(tail, add_special_tokens=False))
+
+
+def final_answer(messages: list[dict[str, Any]]) -> str:
+    """The last assistant message's text (a reward function's ``solution_str``)."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            return str(message.get("content") or "")
+    return ""
+
+
+def _find(ids: list[int], pattern: list[int]) -> int:
+    """Index just after the first occurrence of ``pattern`` in ``ids`` (-1: none)."""
+    if not pattern:
+        return -1
+    for i in range(len(ids) - len(pattern) + 1):
+        if ids[i : i + len(pattern)] == pattern:
+            return i + len(pattern)
+    return -1
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """What the loop needs of the tokenizer, computed once per batch."""
+
+    eos_ids: frozenset[int]
+    stop: list[int]
+
+
+def _messages(raw_prompt: Any) -> list[dict[str, Any]]:
+    if isinstance(raw_prompt, str):
+        return [{"role": "user", "content": raw_prompt}]
+    return [dict(m) for m in raw_prompt]
+
+
+def run_agent_loop(
+    engine: GenerationEngine,
+    tokenizer: Tokenizer,
+    *,
+    prompt_ids: list[Tensor],
+    raw_prompts: list[Any],
+    n: int,
+    seed: int,
+    settings: AgentSettings,
+    tools: ToolRunner,
+    tool_schemas: list[dict[str, Any]] | None,
+    eos_token_ids: Sequence[int],
+) -> list[Trajectory]:
+    """``n`` trajectories per prompt, prompt-major (see the module docstring)."""
+    turn = _Turn(
+        eos_ids=frozenset(int(i) for i in eos_token_ids),
+        stop=list(tokenizer.encode(TOOL_CALL_END, add_special_tokens=False)),
+    )
+    trajectories = [Trajectory(messages=_messages(p)) for p in raw_prompts for _ in range(n)]
+    contexts = [ids for ids in prompt_ids for _ in range(n)]
+    # 1. The first turn: n samples per prompt, as a single-turn rollout.
+    out = engine.generate(
+        prompt_ids,
+        n=n,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        seed=seed,
+        min_new_tokens=settings.min_new_tokens,
+    )
+    live = list(range(len(trajectories)))
+    segments = list(zip(out.response_ids, out.rollout_logprobs))
+    for number in range(1, settings.max_turns + 1):
+        # 2.-4. Keep the sampled turn, run its calls, append the tool turn.
+        calls = [
+            _take_turn(
+                trajectories[r], ids, lps, turn, tokenizer, last=number == settings.max_turns
+            )
+            for r, (ids, lps) in zip(live, segments)
+        ]
+        _run_tools(trajectories, live, calls, tools, tokenizer, tool_schemas, settings)
+        live = [r for r in live if not trajectories[r].done]
+        if not live:
+            break
+        # 5. The next turn from each live row's whole context.
+        remaining = [settings.max_new_tokens - len(trajectories[r].response_ids) for r in live]
+        inputs = [
+            torch.cat([contexts[r], torch.tensor(trajectories[r].response_ids, dtype=torch.int64)])
+            for r in live
+        ]
+        out = engine.generate(
+            inputs,
+            n=1,
+            max_new_tokens=max(remaining),
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            seed=(seed + number * _TURN_SEED_STRIDE) % (2**31 - 1),
+        )
+        segments = [
+            (ids[:left], lps[:left])
+            for ids, lps, left in zip(out.response_ids, out.rollout_logprobs, remaining)
+        ]
+    return trajectories
+
+
+def _take_turn(
+    t: Trajectory, ids: Tensor, logprobs: Tensor, turn: _Turn, tokenizer: Tokenizer, *, last: bool
+) -> list[ToolCall | ToolResult]:
+    """Keep one sampled turn (cut after its first ``</tool_call>`` and the EOS right after it, if
+    any); the calls it asks for (none when the rollout ends here)."""
+    sampled, lps = [int(i) for i in ids.tolist()], [float(x) for x in logprobs.tolist()]
+    cut = _find(sampled, turn.stop)
+    if 0 < cut < len(sampled) and sampled[cut] in turn.eos_ids:
+        cut += 1  # the EOS that closes the call's turn stays the policy's
+    if cut > 0:
+        sampled, lps = sampled[:cut], lps[:cut]
+    t.extend(sampled, lps)
+    t.num_turns += 1
+    ended = bool(sampled) and sampled[-1] in turn.eos_ids
+    text = str(tokenizer.decode(sampled[:-1] if ended else sampled, skip_special_tokens=False))
+    t.messages.append({"role": "assistant", "content": text})
+    calls = parse_tool_calls(text)
+    if not calls or last:
+        t.done = True
+        return []
+    t.tool_calls += len(calls)
+    if ended:  # the EOS the policy sampled closes its turn (``tool_turn_ids``)
+        t.messages[-1]["eos_text"] = str(tokenizer.decode(sampled[-1:], skip_special_tokens=False))
+    return calls
+
+
+def _run_tools(
+    trajectories: list[Trajectory],
+    live: list[int],
+    calls: list[list[ToolCall | ToolResult]],
+    tools: ToolRunner,
+    tokenizer: Tokenizer,
+    schemas: list[dict[str, Any]] | None,
+    settings: AgentSettings,
+) -> None:
+    """Run every live row's calls in one batch; append each row's tool turn."""
+    asked = [c for row in calls for c in row if isinstance(c, ToolCall)]
+    answers = iter(tools.run(asked) if asked else [])
+    for r, row in zip(live, calls):
+        t = trajectories[r]
+        if t.done:
+            continue
+        results = [next(answers) if isinstance(c, ToolCall) else c for c in row]
+        t.tool_errors += sum(result.error for result in results)
+        messages = []
+        for call, result in zip(row, results):
+            content = _cut(tokenizer, result.content, settings.max_tool_response_tokens)
+            t.truncated_tool_responses += content != result.content
+            name = call.name if isinstance(call, ToolCall) else "invalid"
+            messages.append({"role": "tool", "name": name, "content": content})
+        eos_text = t.messages[-1].pop("eos_text", None)
+        ids = tool_turn_ids(tokenizer, t.messages, messages, tools=schemas, eos_text=eos_text)
+        t.messages += messages
+        left = settings.max_new_tokens - len(t.response_ids)
+        t.extend(ids[:left], None)
+        t.done = len(ids) >= left
+
+
+def _cut(tokenizer: Tokenizer, text: str, limit: int) -> str:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return text if len(ids) <= limit else str(tokenizer.decode(ids[:limit]))
+
+
+def agent_metrics(
+    *,
+    num_turns: Tensor,
+    tool_calls: Tensor,
+    tool_errors: Tensor,
+    truncated_tool_responses: Tensor,
+) -> dict[str, float]:
+    """``agent/num_turns/mean``, ``agent/tool_calls/mean``, ``agent/tool_errors/mean`` (per
+    sample) and ``agent/truncated_tool_responses`` (the batch's count)."""
+    return {
+        "agent/num_turns/mean": float(num_turns.double().mean()) if num_turns.numel() else 0.0,
+        "agent/tool_calls/mean": float(tool_calls.double().mean()) if tool_calls.numel() else 0.0,
+        "agent/tool_errors/mean": (
+            float(tool_errors.double().mean()) if tool_errors.numel() else 0.0
+        ),
+        "agent/truncated_tool_responses": float(truncated_tool_responses.sum()),
+    }

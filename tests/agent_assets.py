@@ -1,0 +1,123 @@
+"""Assets of the multi-turn tests: a Qwen2-style policy whose byte-level BPE tokenizer (built
+here, from ``byo_assets``) has a Hermes/ChatML chat template with tools, and a tools file.
+
+The template follows Qwen2.5's: the tools' schemas in a system turn, assistant turns written as
+sampled, consecutive ``tool`` messages in one ``user`` turn of ``<tool_response>`` blocks.
+``<tool_call>`` and ``</tool_call>`` are added tokens (one id each), as in Qwen2.5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from byo_assets import QWEN_SPECIALS, _bpe
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+HERMES_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nYou may call these tools:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    '{{ \'\\n</tools>\\nCall one as <tool_call>{"name": <name>, "arguments": <object>}'
+    "</tool_call><|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+TOOLS_PY = '''"""Tools of the multi-turn tests."""
+
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def explode(text: str) -> str:
+    """Always fails.
+
+    Args:
+        text: Anything.
+    """
+    raise RuntimeError("boom")
+
+
+def hang(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+def shout(text: str) -> str:
+    """Repeats the text many times.
+
+    Args:
+        text: What to repeat.
+    """
+    return " ".join([text] * 200)
+'''
+
+
+def build_hermes_tokenizer() -> PreTrainedTokenizerFast:
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=_bpe(400, QWEN_SPECIALS, bos=None),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=512,
+        padding_side="right",
+    )
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tok.chat_template = HERMES_TEMPLATE
+    return tok
+
+
+def write_tools(root: Path) -> Path:
+    path = root / "agent_tools.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(TOOLS_PY)
+    return path
+
+
+def save_agent_policy(out: Path, *, seed: int = 0) -> Path:
+    """A tiny Qwen2ForCausalLM with the Hermes tokenizer, saved to ``out``."""
+    tok = build_hermes_tokenizer()
+    eos, pad = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
