@@ -26,7 +26,7 @@ import zlib
 def lucky(data_source, solution_str, ground_truth, extra_info=None):
     return float(zlib.crc32(solution_str.encode()) % 5 == 0)
 """
-KILLED_AT = 3  # the step whose refill round 1 is killed
+KILLED_AT = 4  # the step whose refill round 1 is killed (steps 0-2 and 4 refill with seed 0)
 
 
 def _filtered(assets, run_dir: Path, reward: Path, *extra: str) -> list[str]:
@@ -94,7 +94,7 @@ def test_sigkill_mid_refill_then_resume_matches_an_uninterrupted_run(
             text=True,
         )
         assert done.returncode == 0, done.stderr[-3000:]
-        assert '"first_step": 2' in done.stdout, done.stdout[-2000:]
+        assert '"first_step": 4' in done.stdout, done.stdout[-2000:]  # after step 3's checkpoint
         _assert_same_weights(ref_dir, run_dir)
         resumed = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in resumed] == list(range(STEPS))
