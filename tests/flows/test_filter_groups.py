@@ -112,3 +112,33 @@ def test_async_modes_refill(prefect_harness, ray_local, tiny_overrides, tmp_path
     cfg, run_dir, rows, _ = _run(tiny_overrides, tmp_path, *extra)
     _check_steps(cfg, run_dir, rows)
     assert max(r["rollout/staleness"] for r in rows) <= cfg.resources.max_staleness
+
+
+def test_a_step_that_keeps_no_group_updates_nothing_and_says_so(
+    prefect_harness, ray_local, tiny_overrides, tmp_path
+) -> None:
+    """The untrained tiny policy never answers right: on the rule, no group spreads, every
+    round drops everything, and the step logs that it trained on nothing."""
+    from flows.train import ppo_train
+
+    cfg = load_config(
+        CONFIGS / "tiny.yaml",
+        [
+            *tiny_overrides,
+            "algorithm.filter_groups.enabled=true",
+            "algorithm.filter_groups.metric=rule",
+            "algorithm.filter_groups.max_rounds=2",
+            "trainer.total_steps=2",
+            "trainer.eval_every=100",
+        ],
+    )
+    state = ppo_train(cfg, return_state=True)
+    assert state.is_completed(), state.message
+    run_dir = Path(state.result()["run_dir"])
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["filter/kept_groups"] == 0 and row["filter/rounds"] == 2
+        assert row["filter/dropped_groups"] >= cfg.rollout.prompts_per_step
+        assert row["filter/skipped_update"] == 1.0 and "actor/pg_loss" not in row
+        assert row["rollout/generated_samples"] > cfg.batch_size  # the refill ran
+        assert (run_dir / "samples" / f"step_{row['step']}.jsonl").read_text() == ""
