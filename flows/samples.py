@@ -15,8 +15,8 @@ holds
 At most ``trainer.samples_per_step`` samples a step: ordered by group (in the order groups first
 appear in the batch), then batch order, the first ones taken, so whole groups come first. A
 field the partition does not hold (``reward_parts``, ``loss_mask``, ``num_turns``,
-``judge_verdicts``) is left out or takes its single-turn value: all tokens in the loss, one
-turn. A step that kept no group (dynamic sampling) writes an empty file. The file is written
+``judge_verdicts``, ``messages``) is left out or takes its single-turn value: all tokens in the
+loss, one turn, the prompt's chat plus the decoded response. A step that kept no group (dynamic sampling) writes an empty file. The file is written
 to a temporary name and renamed into place, so a retried or resumed step replaces it whole and
 the same samples give the same bytes.
 
@@ -42,7 +42,7 @@ Sample = dict[str, Any]
 
 SAMPLES_DIR = "samples"
 READS = ("group_ids", "raw_prompt", "data_source", "response_ids", "scores")
-OPTIONAL_READS = ("reward_parts", "loss_mask", "num_turns", "judge_verdicts")
+OPTIONAL_READS = ("reward_parts", "loss_mask", "num_turns", "judge_verdicts", "messages")
 TABLE_TEXT_CHARS = 300  # prompt and response cells of the artifact table are cut to this
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
 
@@ -121,7 +121,11 @@ def collect_samples(ctx: StageContext, meta: BatchMeta, step: int, limit: int) -
             sample["judge_verdict"] = data["judge_verdicts"][i]
         sample["prompt"] = prompt_text(messages)
         sample["response"] = texts[i]
-        sample["messages"] = [*messages, {"role": "assistant", "content": texts[i]}]
+        sample["messages"] = (  # a multi-turn rollout's stored conversation, tool turns included
+            list(data["messages"][i])
+            if "messages" in data
+            else [*messages, {"role": "assistant", "content": texts[i]}]
+        )
         sample["response_ids"] = response_ids[i]
         sample["loss_mask"] = [bool(m) for m in loss_masks[i]]
         out.append(sample)
