@@ -55,8 +55,11 @@ def check_inputs(cfg: TrainConfig) -> None:
     from infra.reward_functions import check_reward_functions
 
     m = cfg.models
-    for setting in ("policy", "tokenizer", "reference", "reward_model", "critic", "judge"):
+    for setting in ("policy", "tokenizer", "reference", "critic", "judge"):
         _check_folder(f"models.{setting}", getattr(m, setting))
+    ensemble = isinstance(m.reward_model, list)
+    for index, path in enumerate(m.reward_models):
+        _check_folder(f"models.reward_model{f'[{index}]' if ensemble else ''}", path)
     for setting, files in (
         ("data.train_files", cfg.data.train_files),
         ("data.val_files", cfg.data.val_files),

@@ -1,8 +1,10 @@
-"""The reward-model flow: tiny assets → supervised warm start of the policy → a reward model
-trained on preference pairs derived from the rule, reporting its held-out pair accuracy.
+"""The reward-model flow: tiny assets → supervised warm start of the policy → a reward model (or
+``warmstart.rm_ensemble`` of them, each with its own seed and data order) trained on preference
+pairs derived from the rule, reporting each one's held-out pair accuracy.
 
-Outputs land in ``<run_dir>/warmstart/{sft,reward_model}``; a finished stage is not redone, so a
-resumed or re-scheduled run reuses them. The warm start belongs to the built-in addition task
+Outputs land in ``<run_dir>/warmstart/{sft,reward_model}`` (ensemble members after the first in
+``reward_model_<k>``), with the warm start's numbers in ``<run_dir>/warmstart/report.json``; a
+finished stage is not redone, so a resumed or re-scheduled run reuses them. The warm start belongs to the built-in addition task
 (``TrainConfig.warm_start``): a user's policy or dataset never goes through it, and
 ``resolve_models`` then only fills in the defaults (reference = policy, tokenizer = the policy's).
 """
@@ -10,7 +12,7 @@ resumed or re-scheduled run reuses them. The warm start belongs to the built-in 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,22 +26,31 @@ from infra.config import TrainConfig
 
 @dataclass(frozen=True)
 class ResolvedModels:
-    """Concrete model folders for a training run (``reward_model`` None: no reward model;
-    ``judge`` None: no LLM judge).
+    """Concrete model folders for a training run (``reward_model`` None: no reward model, a tuple:
+    an ensemble; ``judge`` None: no LLM judge).
 
     ``train_data`` / ``heldout_data`` are the built-in task's prompt files (None with
-    ``data.train_files``)."""
+    ``data.train_files``). ``rm_pair_accuracies``: each trained reward model's held-out pair
+    accuracy, ``rm_pair_accuracy`` their mean."""
 
     policy: str
     tokenizer: str
     reference: str
-    reward_model: str | None
+    reward_model: str | tuple[str, ...] | None
     critic: str | None
     judge: str | None = None
     train_data: str | None = None
     heldout_data: str | None = None
     sft_accuracy: float | None = None
     rm_pair_accuracy: float | None = None
+    rm_pair_accuracies: tuple[float, ...] = ()
+
+
+def one_or_many(paths: Sequence[str]) -> str | tuple[str, ...] | None:
+    """No folder → None, one → that folder, several → the ensemble's folders."""
+    if not paths:
+        return None
+    return paths[0] if len(paths) == 1 else tuple(paths)
 
 
 @task(name="build-assets", cache_policy=NO_CACHE)
@@ -85,9 +96,13 @@ def sft(cfg: TrainConfig, assets: dict[str, str], out: Path) -> dict[str, float]
     )
 
 
-@task(name="train-reward-model", cache_policy=NO_CACHE)
+@task(
+    name="train-reward-model",
+    cache_policy=NO_CACHE,
+    task_run_name="train-reward-model[member={member}]",
+)
 def reward_model(
-    cfg: TrainConfig, assets: dict[str, str], sft_dir: Path, out: Path
+    cfg: TrainConfig, assets: dict[str, str], sft_dir: Path, out: Path, member: int = 0
 ) -> dict[str, float]:
     from infra.pretrain import RewardModelSettings, train_reward_model
 
@@ -98,6 +113,7 @@ def reward_model(
         init_path=sft_dir,
         settings=settings,
         seed=cfg.seed,
+        member=member,
         **_data_paths(assets),
     )
 
@@ -112,7 +128,7 @@ def resolve_models(
     assets: dict[str, str] | None,
     *,
     policy: str | None = None,
-    reward_model: str | None = None,
+    reward_model: str | tuple[str, ...] | None = None,
 ) -> ResolvedModels:
     """Fill in the defaults: the policy (a given folder, the warm-started one, or the tiny
     asset), its tokenizer, the reference (= the policy), the reward model (given, trained, or
@@ -122,8 +138,8 @@ def resolve_models(
     if policy is None:
         assert assets is not None
         policy = assets["policy"]
-    if reward_model is None and m.reward_model is not None:
-        reward_model = str(m.reward_model)
+    if reward_model is None:
+        reward_model = one_or_many([str(path) for path in m.reward_models])
     builtin_tokenizer = assets["tokenizer"] if assets and m.policy is None else None
     return ResolvedModels(
         policy=policy,
@@ -153,35 +169,76 @@ def reward_model_flow(config: TrainConfig = TrainConfig()) -> ResolvedModels:  #
         return resolve_models(cfg, assets)
     assert assets is not None
     root = cfg.resolved_run_dir / "warmstart"
-    sft_dir, rm_dir = root / "sft", root / "reward_model"
+    sft_dir = root / "sft"
     # 2. Supervised warm start of the built-in policy.
     rep = sft(cfg, assets, sft_dir)
     sft_acc = rep.get("heldout_accuracy")
     policy = str(sft_dir)
-    # 3. A reward model on rule-derived preference pairs, unless one is given or unused.
-    rm_path: str | None = str(cfg.models.reward_model) if cfg.models.reward_model else None
-    rm_acc = None
-    if rm_path is None and cfg.uses_reward_model:
-        rep = reward_model(cfg, assets, Path(policy), rm_dir)
-        rm_acc = rep.get("heldout_pair_accuracy")
-        rm_path = str(rm_dir)
-        if rm_acc is not None and rm_acc < cfg.warmstart.min_rm_pair_accuracy:
-            raise RuntimeError(
-                f"reward model held-out pair accuracy {rm_acc:.3f} < warmstart.min_rm_pair_accuracy="
-                f"{cfg.warmstart.min_rm_pair_accuracy}: raise warmstart.rm_steps / rm_max_seconds"
-            )
+    # 3. Reward models on rule-derived preference pairs, unless given or unused.
+    rm_paths = [str(path) for path in cfg.models.reward_models]
+    accuracies: list[float] = []
+    if not rm_paths and cfg.uses_reward_model:
+        rm_paths, accuracies = _train_reward_models(cfg, assets, sft_dir, root)
+    rm_acc = sum(accuracies) / len(accuracies) if accuracies else None
     logger.info(
         "warm start: sft held-out accuracy=%s, reward-model held-out pair accuracy=%s",
         sft_acc,
-        rm_acc,
+        accuracies or None,
+    )
+    _report(root, policy=policy, sft_acc=sft_acc, rm_paths=rm_paths, accuracies=accuracies)
+    resolved = resolve_models(cfg, assets, policy=policy, reward_model=one_or_many(rm_paths))
+    return replace(
+        resolved,
+        sft_accuracy=sft_acc,
+        rm_pair_accuracy=rm_acc,
+        rm_pair_accuracies=tuple(accuracies),
+    )
+
+
+def _train_reward_models(
+    cfg: TrainConfig, assets: dict[str, str], sft_dir: Path, root: Path
+) -> tuple[list[str], list[float]]:
+    """Train ``warmstart.rm_ensemble`` reward models from the SFT policy, one after another;
+    their folders and held-out pair accuracies. Fails on one below ``min_rm_pair_accuracy``."""
+    paths, accuracies = [], []
+    for member in range(cfg.warmstart.rm_ensemble):
+        out = root / ("reward_model" if member == 0 else f"reward_model_{member}")
+        rep = reward_model(cfg, assets, sft_dir, out, member)
+        accuracy = rep["heldout_pair_accuracy"]
+        if accuracy < cfg.warmstart.min_rm_pair_accuracy:
+            raise RuntimeError(
+                f"reward model {member} held-out pair accuracy {accuracy:.3f} < "
+                f"warmstart.min_rm_pair_accuracy={cfg.warmstart.min_rm_pair_accuracy}: raise "
+                "warmstart.rm_steps / rm_max_seconds"
+            )
+        paths.append(str(out))
+        accuracies.append(accuracy)
+    return paths, accuracies
+
+
+def _report(
+    root: Path,
+    *,
+    policy: str,
+    sft_acc: float | None,
+    rm_paths: list[str],
+    accuracies: list[float],
+) -> None:
+    """The warm start's numbers: ``<root>/report.json`` and the ``reward-model`` artifact."""
+    members = [
+        {"member": k, "path": path, "heldout_pair_accuracy": accuracies[k] if accuracies else None}
+        for k, path in enumerate(rm_paths)
+    ]
+    report = {"policy": policy, "sft_heldout_accuracy": sft_acc, "reward_models": members}
+    (root / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    rows = "".join(
+        f"| {m['member']} | `{m['path']}` | {m['heldout_pair_accuracy']} |\n" for m in members
     )
     create_markdown_artifact(
         key="reward-model",
         markdown=(
             "# Warm start\n\n| what | value |\n|---|---|\n"
-            f"| policy | `{policy}` |\n| reward model | `{rm_path}` |\n"
-            f"| SFT held-out rule accuracy | {sft_acc} |\n| RM held-out pair accuracy | {rm_acc} |\n"
+            f"| policy | `{policy}` |\n| SFT held-out rule accuracy | {sft_acc} |\n\n"
+            "| reward model | folder | held-out pair accuracy |\n|---|---|---|\n" + rows
         ),
     )
-    resolved = resolve_models(cfg, assets, policy=policy, reward_model=rm_path)
-    return replace(resolved, sft_accuracy=sft_acc, rm_pair_accuracy=rm_acc)

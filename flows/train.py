@@ -25,6 +25,7 @@ from flows.plot import plot_run
 from flows.reward_model import reward_model_flow
 from flows.runtime import build_runtime
 from infra.config import TrainConfig
+from infra.reward_model import reward_model_paths
 
 
 @flow(name="ppo-train", log_prints=True, flow_run_name=flow_run_name)
@@ -65,8 +66,10 @@ def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B
         "mode": cfg.resources.mode,
         "estimator": cfg.algorithm.estimator,
         "SFT held-out accuracy": models.sft_accuracy,
-        "RM held-out pair accuracy": models.rm_pair_accuracy,
-        "reward model": models.reward_model or "none",
+        "RM held-out pair accuracy": (
+            ", ".join(f"{a:.3f}" for a in models.rm_pair_accuracies) or None
+        ),
+        "reward model": ", ".join(reward_model_paths(models.reward_model)) or "none",
         "reward functions": ", ".join(f.label for f in cfg.reward.functions) or "none",
         **{k: int(v) for k, v in datasets.notes.items()},
     }
@@ -85,6 +88,7 @@ def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B
         "rule_accuracy_start": evals[0] if evals else None,
         "rule_accuracy_end": evals[-1] if evals else None,
         "rm_pair_accuracy": models.rm_pair_accuracy,
+        "rm_pair_accuracies": list(models.rm_pair_accuracies),
         "validation": {k: {"first": v[0], "last": v[-1]} for k, v in validation.items()},
         "checkpoint": str(result.checkpoint) if result.checkpoint else None,
         "plot": str(plot) if plot else None,

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 Estimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus"]
 ESTIMATOR_ALIASES = {"reinforce_pp": "reinforce_plus_plus"}
@@ -65,12 +72,13 @@ class ModelsConfig(_Section):
     reference: Path | None = Field(
         None, description="Frozen reference policy (HF folder); None = the policy's weights."
     )
-    reward_model: Path | None = Field(
+    reward_model: Path | list[Path] | None = Field(
         None,
         description=(
-            "Reward model folder (sequence classification, num_labels=1). None = no reward model, "
-            "except on the built-in task, whose warm start trains one (unless "
-            "reward.model_weight is 0)."
+            "Reward model folder (sequence classification, num_labels=1), or a list of them: an "
+            "ensemble scored by mean - reward.uncertainty_penalty * std over its members. None = "
+            "no reward model, except on the built-in task, whose warm start trains "
+            "warmstart.rm_ensemble of them (unless reward.model_weight is 0)."
         ),
     )
     critic: Path | None = Field(
@@ -92,6 +100,24 @@ class ModelsConfig(_Section):
         ),
     )
 
+    @field_validator("reward_model")
+    @classmethod
+    def _ensemble_not_empty(cls, value: Path | list[Path] | None) -> Path | list[Path] | None:
+        if isinstance(value, list) and not value:
+            raise ValueError(
+                "models.reward_model=[] names no reward model: give a folder, a list of folders, "
+                "or leave it unset (null)"
+            )
+        return value
+
+    @property
+    def reward_models(self) -> tuple[Path, ...]:
+        """``reward_model`` as a tuple of folders (empty: none given; one: a single model)."""
+        given = self.reward_model
+        if given is None:
+            return ()
+        return tuple(given) if isinstance(given, list) else (given,)
+
 
 class WarmstartConfig(_Section):
     """Supervised warm start of the policy and reward-model training before RL (main job)."""
@@ -109,7 +135,15 @@ class WarmstartConfig(_Section):
         0.0,
         ge=0,
         le=1,
-        description="Fail the run if the RM's held-out pair accuracy is below this.",
+        description="Fail the run if a reward model's held-out pair accuracy is below this.",
+    )
+    rm_ensemble: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Reward models the warm start trains, each from the SFT policy with its own seed and "
+            "data order; more than one is an ensemble (reward.uncertainty_penalty)."
+        ),
     )
 
 
@@ -276,6 +310,14 @@ class RewardConfig(_Section):
         None, ge=1, description="RM input cap after re-tokenisation (None = model max)."
     )
     model_weight: float = Field(1.0, description="Weight of the reward-model score in `scores`.")
+    uncertainty_penalty: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "A reward-model ensemble's score is mean - uncertainty_penalty * std over its members "
+            "(0 = the mean; one model has std 0)."
+        ),
+    )
     rule_weight: float = Field(
         0.0, description="Weight of the rule reward (0 = logged only, the honest metric)."
     )

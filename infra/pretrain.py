@@ -10,7 +10,9 @@ from the config's ``warmstart`` section, the rest from the ``SFT_*`` / ``RM_*`` 
    LM (a new score head), Bradley–Terry loss + ``score_l2``·r² on pairs the rule decides:
    chosen = the correct answer + EOS; rejected = an answer sampled from the SFT policy, a
    synthetic wrong answer, or a malformed one. Its held-out pair accuracy (pairs built from
-   held-out prompts only) is what makes or breaks RL on it: aim for ≥ 0.99.
+   held-out prompts only) is what makes or breaks RL on it: aim for ≥ 0.99. Member ``k`` of an
+   ensemble trains the same way with its own seed (``member_seed``: score-head init, sampled
+   rejections, pair draws and order) and is measured on the same held-out pairs as member 0.
 
 Responses come from the rollout's own engine (``infra.engines.hf``) and every sequence is
 scored by the reward scorer's ``last_token_scores``: at its last real token, found from its
@@ -463,6 +465,11 @@ class RewardModelSettings:
         )
 
 
+def member_seed(seed: int, member: int) -> int:
+    """The seed of ensemble member ``member`` (member 0 trains with the run's seed)."""
+    return seed + 1000 * member
+
+
 @dataclass(frozen=True)
 class RewardModelReport:
     heldout_pair_accuracy: float
@@ -475,6 +482,10 @@ class RewardModelReport:
     last_loss: float
     steps: int
     seconds: float
+    member: int = 0
+    """Which member of an ensemble (0: the first, or the only model)."""
+    seed: int = 0
+    """The seed it trained with (``member_seed``)."""
 
 
 @dataclass(frozen=True)
@@ -568,20 +579,23 @@ def train_reward_model(
     out_path: Path,
     settings: RewardModelSettings,
     seed: int,
+    member: int = 0,
 ) -> RewardModelReport:
     """Train a scalar reward model from rule-derived pairs, starting from the SFT policy at ``init_path``.
 
     Saves a ``LlamaForSequenceClassification`` (num_labels=1, pad id set) and the tokenizer to
-    ``out_path``. Held-out pairs use held-out prompts only, with policy samples of their own.
+    ``out_path``. Held-out pairs use held-out prompts only, with policy samples of their own,
+    drawn from ``seed`` whatever the ``member``; the training draws from ``member_seed``.
     """
     # 1. Prompts, and the SFT policy's own wrong answers for the sampled rejections.
-    torch.manual_seed(seed)
+    own_seed = member_seed(seed, member)
+    torch.manual_seed(own_seed)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     train_rows, heldout_rows = read_prompt_rows(train_path), read_prompt_rows(heldout_path)
     prompts = {
         r.uid: render_prompt_ids(tokenizer, r.raw_prompt) for r in [*train_rows, *heldout_rows]
     }
-    train_pool = _policy_rejections(init_path, tokenizer, train_rows, settings, seed)
+    train_pool = _policy_rejections(init_path, tokenizer, train_rows, settings, own_seed)
     heldout_pool = _policy_rejections(init_path, tokenizer, heldout_rows, settings, seed + 1)
     eval_rng = random.Random(seed + 1)
     heldout_pairs = [
@@ -593,7 +607,7 @@ def train_reward_model(
     model = LlamaForSequenceClassification.from_pretrained(
         init_path, num_labels=1, pad_token_id=tokenizer.pad_token_id
     )
-    rng = random.Random(seed)
+    rng = random.Random(own_seed)
     train_wins: list[float] = []
 
     def loss_fn(progress: float) -> torch.Tensor:
@@ -628,6 +642,8 @@ def train_reward_model(
         last_loss=sum(losses[-tail:]) / max(len(losses[-tail:]), 1),
         steps=steps,
         seconds=seconds,
+        member=member,
+        seed=own_seed,
     )
 
 

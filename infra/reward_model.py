@@ -1,7 +1,8 @@
-"""The colocated reward model: one scalar score per (prompt, response) sample.
+"""The colocated reward model: one scalar score per (prompt, response) sample and member.
 
 ``RewardScorer`` loads a sequence-classification reward model (``num_labels=1``) and its own
-tokenizer from one folder, and scores rollouts in one of two ways:
+tokenizer from one folder, or an ensemble of them from several folders (``reward_model_paths``),
+and scores rollouts with each member in one of two ways:
 
 - **same tokenizer** as the policy (equal vocabulary and special tokens, whatever the paths):
   the policy's ``prompt_ids + response_ids`` are scored as they are;
@@ -15,7 +16,11 @@ Either way an input longer than ``max_length`` keeps its *end* (the response) an
 model and apply the ``score`` head to that one hidden state. Architectures without a ``score``
 head fall back to the model's own pooled logits (which pool by pad id; documented limitation).
 An empty response is scored on the prompt alone. Non-finite scores are returned as they are;
-the score stage decides what to do with them (``tasks.score.find_nonfinite``).
+the score stage decides what to do with them (``tasks.score.find_nonfinite``), and combines an
+ensemble's members into one score (``tasks.score.core.ensemble_scores``: mean − penalty × std).
+
+An ensemble's members wake and sleep together: the scorer is one ``Sleepable`` of the colocated
+group (the ``reward`` role), so its turn holds every member on the device at once.
 """
 
 from __future__ import annotations
@@ -37,27 +42,78 @@ from transformers import (
 from infra.engines.base import ModuleResidency
 from infra.kernels import fuse_activations
 
-__all__ = ["RewardScorer", "ScoreOutput", "tokenizers_match"]
+__all__ = ["RewardScorer", "ScoreOutput", "reward_model_paths", "tokenizers_match"]
 
 
 @dataclass(frozen=True)
 class ScoreOutput:
-    """``scores`` (B,) float32, one per sample; ``truncated`` (B,) bool: input cut to max_length."""
+    """``member_scores`` (B, M) float32, one column per ensemble member (M = 1: one model);
+    ``truncated`` (B,) bool: some member's input was cut to its max_length."""
 
-    scores: Tensor
+    member_scores: Tensor
     truncated: Tensor
 
+    @property
+    def scores(self) -> Tensor:
+        """The members' mean, (B,) float32 (one model: its scores)."""
+        return self.member_scores.mean(dim=1)
 
-class RewardScorer:
-    """Scores rollouts with a colocated reward model; ``Sleepable`` like the rollout engines.
 
-    ``max_length`` defaults to the model's ``max_position_embeddings``. Rows are scored in
-    batches of ``batch_size`` (longest first, to pad little); outputs keep the input order.
-    """
+def reward_model_paths(given: str | Path | Sequence[str | Path] | None) -> tuple[str, ...]:
+    """One reward-model folder, a list of them (an ensemble) or None, as a tuple of strings."""
+    if given is None:
+        return ()
+    if isinstance(given, str | Path):
+        return (str(given),)
+    return tuple(str(path) for path in given)
+
+
+class _Member:
+    """One reward model of the scorer: the model, its tokenizer and how rows reach it."""
 
     def __init__(
         self,
         model_path: str | Path,
+        *,
+        policy_tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_length: int | None,
+    ) -> None:
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=dtype)
+        if model.config.num_labels != 1:
+            raise ValueError(
+                f"reward model at {model_path} has num_labels={model.config.num_labels}; "
+                "a reward model must output one score (num_labels=1)"
+            )
+        fuse_activations(model)
+        self.model: PreTrainedModel = model.to(device).eval()
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_path)
+        self.same_tokenizer = tokenizers_match(self.tokenizer, policy_tokenizer)
+        if not self.same_tokenizer and not self.tokenizer.chat_template:
+            raise ValueError(
+                f"the reward model's tokenizer ({model_path}) differs from the policy's and has no "
+                "chat_template to re-render conversations with: add one to its tokenizer_config"
+            )
+        self.max_length = max_length or int(model.config.max_position_embeddings)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+        self.residency = ModuleResidency(self.model, device)
+
+
+class RewardScorer:
+    """Scores rollouts with a colocated reward model or ensemble; ``Sleepable`` like the rollout
+    engines (every member wakes and sleeps with it).
+
+    ``model_path`` is one folder or a sequence of them (the ensemble's members, in order).
+    ``max_length`` defaults to each model's ``max_position_embeddings``. Rows are scored in
+    batches of ``batch_size`` (longest first, to pad little); outputs keep the input order.
+    ``model``, ``tokenizer``, ``same_tokenizer`` and ``max_length`` are the first member's.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path | Sequence[str | Path],
         *,
         policy_tokenizer_path: str | Path,
         device: str | torch.device = "cpu",
@@ -67,86 +123,125 @@ class RewardScorer:
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        paths = reward_model_paths(model_path)
+        if not paths:
+            raise ValueError("RewardScorer needs at least one reward-model folder")
         self._device = torch.device(device)
-        model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=dtype)
-        if model.config.num_labels != 1:
-            raise ValueError(
-                f"reward model at {model_path} has num_labels={model.config.num_labels}; "
-                "a reward model must output one score (num_labels=1)"
-            )
-        fuse_activations(model)
-        self.model: PreTrainedModel = model.to(self._device).eval()
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_path)
         self.policy_tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             policy_tokenizer_path
         )
-        self.same_tokenizer = tokenizers_match(self.tokenizer, self.policy_tokenizer)
-        if not self.same_tokenizer and not self.tokenizer.chat_template:
-            raise ValueError(
-                f"the reward model's tokenizer ({model_path}) differs from the policy's and has no "
-                "chat_template to re-render conversations with: add one to its tokenizer_config"
+        self.members = [
+            _Member(
+                path,
+                policy_tokenizer=self.policy_tokenizer,
+                device=self._device,
+                dtype=dtype,
+                max_length=max_length,
             )
-        self.max_length = max_length or int(model.config.max_position_embeddings)
+            for path in paths
+        ]
         self.batch_size = batch_size
-        pad = self.tokenizer.pad_token_id
-        self._pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
-        self._residency = ModuleResidency(self.model, self._device)
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self.members[0].model
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.members[0].tokenizer
+
+    @property
+    def same_tokenizer(self) -> bool:
+        return self.members[0].same_tokenizer
+
+    @property
+    def max_length(self) -> int:
+        return self.members[0].max_length
+
+    def parameter_bytes(self) -> list[int]:
+        """Bytes of each member's parameters and buffers (what a wake-up puts on the device)."""
+        return [
+            sum(t.numel() * t.element_size() for t in (*m.model.parameters(), *m.model.buffers()))
+            for m in self.members
+        ]
 
     # -- Sleepable -----------------------------------------------------------------------------
 
     @property
     def is_awake(self) -> bool:
-        return self._residency.is_awake
+        return self.members[0].residency.is_awake
 
     def sleep(self) -> None:
         """Release device memory (CUDA: weights to pinned CPU memory; CPU: flag only)."""
-        self._residency.sleep()
+        for member in self.members:
+            member.residency.sleep()
 
     def wake_up(self) -> None:
-        """Bring the bit-identical weights back to the device."""
-        self._residency.wake_up()
+        """Bring every member's bit-identical weights back to the device."""
+        for member in self.members:
+            member.residency.wake_up()
 
     # -- scoring -------------------------------------------------------------------------------
 
     def score(
         self, *, prompt_ids: list[Tensor], response_ids: list[Tensor], raw_prompt: Sequence[Any]
     ) -> ScoreOutput:
-        """Score B samples: row b is ``prompt_ids[b]`` answered by ``response_ids[b]``.
+        """Score B samples with every member: row b is ``prompt_ids[b]`` answered by
+        ``response_ids[b]``.
 
-        ``raw_prompt[b]`` (chat messages or a plain string) is used only when the tokenizers
-        differ. Raises ValueError when the three lists disagree in length or when a row has
-        neither prompt nor response tokens (there is nothing to score).
+        ``raw_prompt[b]`` (chat messages or a plain string) is used only by a member whose
+        tokenizer differs from the policy's. Raises ValueError when the three lists disagree in
+        length or when a row has neither prompt nor response tokens (there is nothing to score).
         """
-        self._residency.require_awake("RewardScorer.score()")
+        self.members[0].residency.require_awake("RewardScorer.score()")
         if not len(prompt_ids) == len(response_ids) == len(raw_prompt):
             raise ValueError(
                 f"score() needs one row per sample: got {len(prompt_ids)} prompt_ids, "
                 f"{len(response_ids)} response_ids and {len(raw_prompt)} raw_prompt"
             )
+        columns, truncated = [], torch.zeros(len(prompt_ids), dtype=torch.bool)  # (B,)
+        for index in range(len(self.members)):
+            scores, cut = self._score_member(index, prompt_ids, response_ids, raw_prompt)
+            columns.append(scores)
+            truncated |= cut
+        return ScoreOutput(member_scores=torch.stack(columns, dim=1), truncated=truncated)
+
+    def _score_member(
+        self,
+        index: int,
+        prompt_ids: list[Tensor],
+        response_ids: list[Tensor],
+        raw_prompt: Sequence[Any],
+    ) -> tuple[Tensor, Tensor]:
+        """Member ``index``'s scores (B,) float32 and which of its inputs were cut (B,) bool."""
+        member = self.members[index]
         # 1. Build the reward model's input ids, one row per sample.
-        if self.same_tokenizer:
+        if member.same_tokenizer:
             rows = [
                 torch.cat([p.long().cpu(), r.long().cpu()])
                 for p, r in zip(prompt_ids, response_ids)
             ]
         else:
-            rows = [self.render(raw, r) for raw, r in zip(raw_prompt, response_ids)]
+            rows = [self.render(raw, r, member=index) for raw, r in zip(raw_prompt, response_ids)]
         # 2. Keep the end of over-long rows.
-        truncated = torch.tensor([row.numel() > self.max_length for row in rows], dtype=torch.bool)
-        rows = [row[-self.max_length :] for row in rows]
-        for index, row in enumerate(rows):
+        cap = member.max_length
+        truncated = torch.tensor([row.numel() > cap for row in rows], dtype=torch.bool)  # (B,)
+        rows = [row[-cap:] for row in rows]
+        for position, row in enumerate(rows):
             if row.numel() == 0:
-                raise ValueError(f"row {index}: empty prompt and empty response, nothing to score")
+                raise ValueError(
+                    f"row {position}: empty prompt and empty response, nothing to score"
+                )
         # 3. Score in batches, longest first; scatter back to the input order.
         scores = torch.empty(len(rows), dtype=torch.float32)  # (B,)
         order = sorted(range(len(rows)), key=lambda i: -rows[i].numel())
         for start in range(0, len(order), self.batch_size):
             chunk = order[start : start + self.batch_size]
-            scores[chunk] = self._score_batch([rows[i] for i in chunk])
-        return ScoreOutput(scores=scores, truncated=truncated)
+            scores[chunk] = self._score_batch(member, [rows[i] for i in chunk])
+        return scores, truncated
 
-    def render(self, raw_prompt: Any, response_ids: Tensor) -> Tensor:
-        """Re-tokenise one sample for the reward model: its chat template over the conversation
+    def render(self, raw_prompt: Any, response_ids: Tensor, *, member: int = 0) -> Tensor:
+        """Re-tokenise one sample for member ``member``: its chat template over the conversation
         ``raw_prompt + [{"role": "assistant", "content": decoded response}]`` (1-D int64)."""
         text = cast(
             str, self.policy_tokenizer.decode(response_ids.tolist(), skip_special_tokens=True)
@@ -155,19 +250,21 @@ class RewardScorer:
             *_as_messages(raw_prompt),
             {"role": "assistant", "content": text},
         ]
-        ids = self.tokenizer.apply_chat_template(
+        ids = self.members[member].tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=False, return_dict=False
         )
         return torch.tensor(ids, dtype=torch.long)
 
     @torch.inference_mode()
-    def _score_batch(self, rows: list[Tensor]) -> Tensor:
+    def _score_batch(self, member: _Member, rows: list[Tensor]) -> Tensor:
         """Scores (b,) float32 on the CPU for right-padded rows, each at its last real token."""
         lengths = torch.tensor([row.numel() for row in rows])  # (b,)
-        input_ids = torch.full((len(rows), int(lengths.max())), self._pad_id, dtype=torch.long)
+        input_ids = torch.full((len(rows), int(lengths.max())), member.pad_id, dtype=torch.long)
         for index, row in enumerate(rows):
             input_ids[index, : row.numel()] = row  # (b, L)
-        scores = last_token_scores(self.model, input_ids.to(self._device), lengths.to(self._device))
+        scores = last_token_scores(
+            member.model, input_ids.to(self._device), lengths.to(self._device)
+        )
         return scores.cpu()
 
 

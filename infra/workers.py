@@ -1,8 +1,9 @@
 """The worker that holds the models of one device and runs the stages' worker-side steps on it.
 
 A ``ModelWorker`` owns some of the roles ``rollout`` (generation engine), ``reward`` (reward
-model), ``judge`` (an LLM judge, ``infra.judge``), ``actor`` (policy + optimizer), ``ref`` (frozen
-reference policy) and ``critic`` (value model + optimizer), and a handle on the run's store. It
+model, or an ensemble whose members wake and sleep together), ``judge`` (an LLM judge,
+``infra.judge``), ``actor`` (policy + optimizer), ``ref`` (frozen reference policy) and
+``critic`` (value model + optimizer), and a handle on the run's store. It
 knows nothing of the stages: a stage hands it a function, ``worker.run(fn, shard, ...)`` calls
 ``fn(worker, shard, ...)`` in the worker's process, and that function reads the shard's rows from the store, wakes the role
 it needs (``with worker.awake("actor") as actor:``), computes and writes its rows back. The flow
@@ -79,7 +80,7 @@ class WorkerSpec:
     policy_path: str
     tokenizer_path: str
     reference_path: str | None = None
-    reward_model_path: str | None = None
+    reward_model_path: str | tuple[str, ...] | None = None  # several: an ensemble
     critic_path: str | None = None
     judge_path: str | None = None
     judge_template: str | None = None  # the template's text (``infra.judge.template_text``)

@@ -1,5 +1,5 @@
-"""Score assembly: one reward-model score per sample → token-level rows; response truncation
-and the overlong penalty.
+"""Score assembly: a reward-model ensemble's members → one score per sample (mean − penalty ×
+std); one score per sample → token-level rows; response truncation and the overlong penalty.
 
 A sample's score belongs to its last real response token. An EMPTY response (length 0) has no
 such token: its dense row is all zeros and its jagged row is empty — never index −1.
@@ -8,6 +8,7 @@ such token: its dense row is all zeros and its jagged row is empty — never ind
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -15,7 +16,9 @@ from torch import Tensor
 from tasks.masks import lengths_to_mask
 
 __all__ = [
+    "EnsembleScores",
     "assemble_rm_scores",
+    "ensemble_scores",
     "find_nonfinite",
     "lengths_to_mask",
     "overlong_penalty",
@@ -23,6 +26,33 @@ __all__ = [
     "score_metrics",
     "truncated_rows",
 ]
+
+
+@dataclass(frozen=True)
+class EnsembleScores:
+    """A reward-model ensemble's view of B samples, each (B,) float32: ``score`` = ``mean`` −
+    penalty × ``std`` is the reward; ``mean`` and ``std`` are over the members."""
+
+    score: Tensor
+    mean: Tensor
+    std: Tensor
+
+
+def ensemble_scores(member_scores: Tensor, *, uncertainty_penalty: float) -> EnsembleScores:
+    """Combine ``member_scores`` (B, M), one column per member, into one score per sample:
+    ``mean − uncertainty_penalty × std`` over the members, where std is the population standard
+    deviation (divided by M, so one member has std 0 and scores exactly its own score).
+    """
+    if member_scores.dim() != 2 or member_scores.shape[1] < 1:
+        raise ValueError(
+            f"member_scores must be (B, M) with M >= 1, got {tuple(member_scores.shape)}"
+        )
+    if uncertainty_penalty < 0:
+        raise ValueError(f"uncertainty_penalty must be >= 0, got {uncertainty_penalty}")
+    scores = member_scores.float()  # (B, M)
+    mean = scores.mean(dim=1)  # (B,)
+    std = scores.std(dim=1, correction=0)  # (B,)
+    return EnsembleScores(score=mean - uncertainty_penalty * std, mean=mean, std=std)
 
 
 def _check_scores_and_lengths(scores: Tensor, response_lengths: Tensor) -> None:

@@ -5,12 +5,16 @@ The per-sample score is
     scores = reward.model_weight * rm_score + reward.judge.weight * judge
              + Σ weight_i * function_i (+ reward.rule_weight * rule)
 
+    rm_score = mean − reward.uncertainty_penalty × std over the reward-model ensemble's members
+               (one model: its score)
+
 - the scoring workers (the reward pool's, else the rollout pool's) each take a shard of the
   batch (``score_rows``): read ``prompt_ids``, ``response_ids``, ``raw_prompt`` (and
   ``ground_truth`` for the rule) from the store; the reward model, when the worker holds one,
   rebuilds right-padded masks from the lengths, re-renders the conversation from ``raw_prompt``
-  with the RM's own chat template when its tokenizer differs, and scores the last real token;
-  the worker writes ``rm_scores`` (jagged: that score on the last real response token, an empty
+  with the RM's own chat template when its tokenizer differs, and scores the last real token
+  with every member of an ensemble (``models.reward_model`` a list), combined by
+  ``tasks.score.core.ensemble_scores``; the worker writes ``rm_scores`` (jagged: that score on the last real response token, an empty
   row for an empty response, never a score at index -1) and sends back its per-sample scalars.
   The reward model sleeps again whatever happens (the worker's wake/sleep block).
 - the LLM judge (``reward.judge``, ``infra.judge``), when the worker holds one, renders its
@@ -26,6 +30,10 @@ The per-sample score is
   they get the decoded responses from the workers and read ``ground_truth``, ``data_source``
   and ``extra_info`` from the store.
 - the built-in task's rule (``reward.rule``) is computed on the workers as the honest metric.
+- multi-turn rollouts (``rollout.multi_turn``): the rule, the judge and the reward functions
+  read the conversation's final assistant message (``infra.agent_loop.final_answer`` of the
+  stored ``messages``) in place of the whole decoded response, and reward functions get the
+  conversation, tool calls and results included, in ``extra_info["messages"]``.
 
 A training batch's ``scores`` then lose the overlong penalty (``reward.overlong_buffer``,
 ``tasks.score.core.overlong_penalty``; validation scores do not), and with
@@ -36,7 +44,8 @@ for the update to leave those rows out of the actor's loss.
 The task then writes ``scores`` (and ``rule_scores``, ``judge_verdicts``, ``truncated``) and
 ``reward_parts``: per sample, each part's unweighted value by name (``rm``, ``judge``, ``rule``,
 ``fn/<name>`` with the names of the ``reward/fn/<name>/mean`` metrics, ``overlong_penalty``),
-which dynamic sampling and the saved samples read. A NaN/inf reward-model score fails the
+which dynamic sampling and the saved samples read; an ensemble adds ``rm_mean`` and ``rm_std``
+(its members' mean and standard deviation; ``rm`` is the combined score). A NaN/inf reward-model score fails the
 worker's shard naming its sample keys before it writes anything, and a failing reward function
 fails the task; ``scores`` is written only when every part succeeded. Rows already scored (a
 partition checkpointed in flight by ``separate_async``'s producer, then resumed) are not scored
@@ -62,6 +71,7 @@ from tasks.plan import Scoring
 from tasks.rewards import RULES
 from tasks.score.core import (
     assemble_rm_scores,
+    ensemble_scores,
     find_nonfinite,
     overlong_penalty,
     score_metrics,
@@ -87,6 +97,9 @@ class ShardScores:
     response_lengths: list[int]
     response_truncated: list[bool]  # cut at rollout.max_new_tokens without EOS
     rm: list[float] | None = None  # the reward model's score, when the worker holds one
+    rm_mean: list[float] | None = None  # its ensemble's mean over members
+    rm_std: list[float] | None = None  # and standard deviation (0 for one model)
+    rm_members: int = 0  # the ensemble's size
     truncated: int = 0  # samples whose reward-model input was cut to reward.max_length
     rule: list[float] | None = None  # reward.rule against ground_truth, when asked
     texts: list[str] | None = None  # decoded responses, when reward functions need them
@@ -133,7 +146,10 @@ def score_rows(
                 response_ids=responses,
                 raw_prompt=data["raw_prompt"],
             )
-        rm = scored.scores.float()  # (B,)
+        ensemble = ensemble_scores(
+            scored.member_scores, uncertainty_penalty=worker.cfg.reward.uncertainty_penalty
+        )
+        rm = ensemble.score  # (B,)
         bad = find_nonfinite(rm)
         if bad:
             named = [shard.keys[i] for i in bad]
@@ -143,10 +159,17 @@ def score_rows(
             )
         worker.write(shard, {"rm_scores": nested(assemble_rm_scores(rm, n))})
         out.rm, out.truncated = rm.tolist(), int(scored.truncated.sum())
+        out.rm_mean, out.rm_std = ensemble.mean.tolist(), ensemble.std.tolist()
+        out.rm_members = int(scored.member_scores.shape[1])
     if rule or texts or judge:
         decoded = worker.tokenizer.batch_decode(
             [r.tolist() for r in responses], skip_special_tokens=True
         )
+        if worker.cfg.rollout.multi_turn:  # the rewards judge the conversation's final answer
+            from infra.agent_loop import final_answer
+
+            chats = worker.read(shard, ("messages",))["messages"]
+            decoded = [final_answer(chat) for chat in chats]
         if judge:
             out.verdicts = judge_verdicts(worker, shard, data, decoded)
         if rule:
@@ -196,7 +219,10 @@ class Scores:
     total: torch.Tensor  # (B,)
     response_lengths: torch.Tensor  # (B,)
     response_truncated: torch.Tensor  # (B,) bool
-    rm: torch.Tensor | None = None  # (B,)
+    rm: torch.Tensor | None = None  # (B,) the reward model's (an ensemble's combined) score
+    rm_mean: torch.Tensor | None = None  # (B,) an ensemble's mean over its members
+    rm_std: torch.Tensor | None = None  # (B,) and standard deviation
+    rm_members: int = 0
     rule: torch.Tensor | None = None  # (B,)
     functions: FunctionScores | None = None
     judge: torch.Tensor | None = None  # (B,) the parsed verdicts (on_parse_error where None)
@@ -208,6 +234,7 @@ class Scores:
         named: dict[str, list[float]] = {}
         if self.rm is not None:
             named["rm"] = self.rm.tolist()
+        named.update(self.ensemble_parts())
         if self.judge is not None:
             named["judge"] = self.judge.tolist()
         if self.rule is not None:
@@ -224,6 +251,12 @@ class Scores:
             for i in range(len(self.total))
         ]
 
+    def ensemble_parts(self) -> dict[str, list[float]]:
+        """``rm_mean`` and ``rm_std`` per sample when the reward model is an ensemble."""
+        if self.rm_members < 2 or self.rm_mean is None or self.rm_std is None:
+            return {}
+        return {"rm_mean": self.rm_mean.tolist(), "rm_std": self.rm_std.tolist()}
+
 
 def scoring_group(ctx: StageContext, scoring: Scoring) -> WorkerGroup:
     """The reward model's and judge's workers when one of them scores, else the rollout pool's."""
@@ -239,21 +272,24 @@ def _function_scores(ctx: StageContext, meta: BatchMeta, texts: list[str]) -> Fu
     if ctx.rt.reward_pool is None:
         raise ValueError("reward functions asked for, but the run has no reward.functions")
 
-    data = read(ctx, meta, FUNCTION_READS)
+    multi_turn = ctx.cfg.rollout.multi_turn
+    data = read(ctx, meta, FUNCTION_READS + (("messages",) if multi_turn else ()))
+    chats = data["messages"] if multi_turn else [None] * len(meta.keys)
     samples = [
         RewardSample(
             key=key,
             data_source=str(source),
             solution_str=text,
             ground_truth=truth,
-            extra_info=dict(extra or {}),
+            extra_info={**(extra or {}), **({"messages": chat} if chat is not None else {})},
         )
-        for key, text, truth, source, extra in zip(
+        for key, text, truth, source, extra, chat in zip(
             meta.keys,
             texts,
             data["ground_truth"],
             data["data_source"],
             data["extra_info"],
+            chats,
             strict=True,
         )
     ]
@@ -284,7 +320,12 @@ def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scor
     if scoring.model_weight is not None:
         out.rm = torch.tensor([v for p in parts for v in p.rm or ()], dtype=torch.float32)
         out.total += scoring.model_weight * out.rm
+        out.rm_mean = torch.tensor([v for p in parts for v in p.rm_mean or ()])  # (B,)
+        out.rm_std = torch.tensor([v for p in parts for v in p.rm_std or ()])  # (B,)
+        out.rm_members = max(p.rm_members for p in parts)
         out.metrics["reward/rm_score/mean"] = float(out.rm.mean())
+        out.metrics["reward/rm_mean/mean"] = float(out.rm_mean.double().mean())
+        out.metrics["reward/rm_std/mean"] = float(out.rm_std.double().mean())
         out.metrics["reward/rm_truncated_ratio"] = sum(p.truncated for p in parts) / len(meta.keys)
     # 2. Reward functions, in their process pool.
     if scoring.functions:

@@ -9,7 +9,7 @@ cleared at the start and the end): submit → generate → the score stage's ``c
 
 Metrics use verl's names, per data source: ``val-core/<data_source>/reward/mean@<n>`` (the
 weighted total), and ``val-aux/<data_source>/<part>/mean@<n>`` for each reward part that
-scored: ``rm_score``, ``judge`` (the parsed verdicts; the run's judge scores validation whenever
+scored: ``rm_score`` (and an ensemble's ``rm_mean``, ``rm_std``), ``judge`` (the parsed verdicts; the run's judge scores validation whenever
 it scores training, as ``data.val_files`` use every reward of the run), ``rule``, and
 ``fn/<name>`` per reward function. When the rule scored, ``eval/rule_accuracy`` is its mean
 over every sample.
@@ -63,6 +63,7 @@ def _parts(scores: Scores) -> dict[str, list[float]]:
     parts: dict[str, list[float]] = {}
     if scores.rm is not None:
         parts["rm_score"] = scores.rm.tolist()
+    parts.update(scores.ensemble_parts())
     if scores.judge is not None:
         parts["judge"] = scores.judge.tolist()
     if scores.rule is not None:

@@ -150,7 +150,7 @@ def test_a_non_finite_reward_model_score_names_the_keys_and_writes_nothing(
 
     def poisoned(**kw):
         out = real(**kw)
-        out.scores[1] = float("nan")
+        out.member_scores[1, 0] = float("nan")
         return out
 
     monkeypatch.setattr(worker.scorer, "score", poisoned)
