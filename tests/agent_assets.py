@@ -121,3 +121,73 @@ def save_agent_policy(out: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def char_ids(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """``text`` as one token per character (``<tool_call>``/``</tool_call>`` kept whole): ids a
+    policy may sample but that BPE never produces from the text."""
+    out: list[int] = []
+    for part in text.replace("</tool_call>", "\0E\0").replace("<tool_call>", "\0S\0").split("\0"):
+        if part in ("S", "E"):
+            out.append(
+                tokenizer.convert_tokens_to_ids("<tool_call>" if part == "S" else "</tool_call>")
+            )
+        else:
+            for ch in part:
+                out += tokenizer.encode(ch, add_special_tokens=False)
+    return out
+
+
+def warm_start_caller(
+    policy: Path, out: Path, tools_file: Path, prompts: list[str], *, steps: int = 150
+) -> Path:
+    """``policy`` trained to answer every prompt with ``CALL`` (one id per character, then EOS)
+    and, after the tool's answer, with "3": a policy that calls a tool on its first turn and
+    answers on its second, whose sampled ids BPE would never give back. Saved to ``out``."""
+    from infra.agent_loop import tool_turn_ids
+    from infra.rl_data import chat_prompt_ids
+    from infra.tools import tool_schemas
+
+    class _Spec:
+        path, name = str(tools_file), "add"
+
+    tok = build_hermes_tokenizer()
+    schemas = tool_schemas([_Spec()])
+    eos = tok.eos_token_id
+    rows: list[tuple[list[int], list[bool]]] = []
+    for text in prompts:
+        chat = [{"role": "user", "content": text}]
+        prompt = list(chat_prompt_ids(tok, chat, tools=schemas))
+        call = char_ids(tok, CALL) + [eos]
+        tool = tool_turn_ids(
+            tok,
+            [*chat, {"role": "assistant", "content": CALL}],
+            [{"role": "tool", "name": "add", "content": "3"}],
+            tools=schemas,
+            eos_text="<|im_end|>",
+        )
+        answer = char_ids(tok, "3") + [eos]
+        ids = prompt + call + tool + answer
+        trained = [False] * len(prompt) + [True] * len(call) + [False] * len(tool) + [True] * 2
+        rows.append((ids, trained))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)  # (B, L)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)  # (B, L)
+    for i, (ids, trained) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(ids)] = torch.where(torch.tensor(trained), torch.tensor(ids), -100)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM.from_pretrained(policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=input_ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
