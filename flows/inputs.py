@@ -2,7 +2,8 @@
 
 ``check_inputs(cfg)`` fails with one-line errors naming the setting: model folders that do not
 exist (a hub id is not a local folder), dataset files, reward-function files and functions, the
-judge's template (it must render) and parse function.
+tools (``rollout.tools``: each loads and has a JSON schema), the judge's template (it must
+render) and parse function.
 ``load_datasets(cfg, models, tokenizer)`` reads the prompt files, renders a user's prompts with
 the policy tokenizer's chat template and applies ``data.max_prompt_length`` / ``data.truncation``
 (``error`` fails here, naming the file and the row). Both run in the CLI before the flow starts
@@ -50,9 +51,10 @@ def _check_folder(setting: str, path: Path | None) -> None:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """Every path a setting names exists, every reward function loads, and the judge's template
-    renders and its parse function loads."""
+    """Every path a setting names exists, every reward function and tool loads, and the judge's
+    template renders and its parse function loads."""
     from infra.reward_functions import check_reward_functions
+    from infra.tools import check_tools
 
     m = cfg.models
     for setting in ("policy", "tokenizer", "reference", "critic", "judge"):
@@ -69,6 +71,7 @@ def check_inputs(cfg: TrainConfig) -> None:
                 raise InputError(f"{setting}[{index}]={path}: no such file")
     try:
         check_reward_functions(cfg.reward.functions)
+        check_tools(cfg.rollout.tools)
         if cfg.reward.judge is not None:
             from infra.judge import check_template, load_parse_function
 

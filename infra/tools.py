@@ -24,7 +24,16 @@ from typing import Any, Protocol
 from infra.bounded_calls import CallTimeout, call_with_timeout, kill_executor, spawn_executor
 from infra.reward_functions import _resolved, load_function
 
-__all__ = ["ToolCall", "ToolPool", "ToolResult", "ToolSpec", "load_tools", "tool_schemas"]
+__all__ = [
+    "ToolCall",
+    "ToolLoadError",
+    "ToolPool",
+    "ToolResult",
+    "ToolSpec",
+    "check_tools",
+    "load_tools",
+    "tool_schemas",
+]
 
 ToolFn = Callable[..., Any]
 _START_TIMEOUT_S = 120.0  # spawning the workers and importing the tools
@@ -73,6 +82,27 @@ def load_tools(specs: Sequence[ToolSpec]) -> dict[str, ToolFn]:
             kind="tool",
         )
     return tools
+
+
+class ToolLoadError(ValueError):
+    """A ``rollout.tools`` entry has no JSON schema (checked before any run; see the message)."""
+
+
+def check_tools(specs: Sequence[ToolSpec]) -> None:
+    """Load every tool in this process and build its JSON schema; raises on the first bad one
+    (``RewardFunctionLoadError`` for a file, module or name, ``ToolLoadError`` for a signature
+    or docstring ``get_json_schema`` cannot read), naming ``rollout.tools[i]``."""
+    from transformers.utils.chat_template_utils import get_json_schema
+
+    for index, function in enumerate(load_tools(specs).values()):
+        try:
+            get_json_schema(function)
+        except Exception as exc:
+            raise ToolLoadError(
+                f"rollout.tools[{index}].name: {specs[index].name} has no JSON schema "
+                f"({type(exc).__name__}: {' '.join(str(exc).split())}); give it type hints and a Google-style "
+                "docstring with an Args: line per argument"
+            ) from exc
 
 
 @functools.lru_cache(maxsize=8)

@@ -48,3 +48,25 @@ def test_too_few_prompts_for_one_step_fail_before_the_run(assets, tmp_path: Path
     tokenizer = AutoTokenizer.from_pretrained(models.tokenizer)
     with pytest.raises(InputError, match="rollout.prompts_per_step=101"):
         load_datasets(cfg, models, tokenizer)
+
+
+def test_tools_that_do_not_load_name_rollout_tools(tmp_path: Path) -> None:
+    tools = tmp_path / "tools.py"
+    tools.write_text(
+        "def add(a: int, b: int) -> int:\n"
+        '    """Add two integers.\n\n    Args:\n        a: The first.\n        b: The second.\n    """\n'
+        "    return a + b\n\n\n"
+        "def bare(a, b):\n    return a + b\n"
+    )
+    check_inputs(_cfg(f"rollout.tools=[{{path: {tools}, name: add}}]"))
+    for entries, pattern in (
+        (f"[{{path: {tmp_path / 'none.py'}, name: add}}]", r"^rollout\.tools\[0\]\.path: no file"),
+        (f"[{{path: {tools}, name: add}}, {{path: {tools}, name: mul}}]", r"^rollout\.tools\[1\]"),
+        (
+            f"[{{path: {tools}, name: bare}}]",
+            r"^rollout\.tools\[0\]\.name: bare has no JSON schema",
+        ),
+    ):
+        with pytest.raises(InputError, match=pattern) as err:
+            check_inputs(_cfg(f"rollout.tools={entries}"))
+        assert "\n" not in str(err.value)
