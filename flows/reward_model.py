@@ -55,9 +55,13 @@ def one_or_many(paths: Sequence[str]) -> str | tuple[str, ...] | None:
 
 @task(name="build-assets", cache_policy=NO_CACHE)
 def build_assets(cfg: TrainConfig) -> dict[str, str]:
+    from infra.agent_task import build_agent_assets
     from infra.assets import build_tiny_assets
 
-    paths = build_tiny_assets(cfg.models.assets_dir, seed=cfg.seed)
+    if cfg.data.builtin_task == "agent":
+        paths = build_agent_assets(cfg.models.assets_dir / "agent", seed=cfg.seed)
+    else:
+        paths = build_tiny_assets(cfg.models.assets_dir, seed=cfg.seed)
     return {k: str(v) for k, v in asdict(paths).items()}
 
 
@@ -83,12 +87,13 @@ def _data_paths(assets: dict[str, str]) -> dict[str, Path]:
 
 @task(name="sft", cache_policy=NO_CACHE)
 def sft(cfg: TrainConfig, assets: dict[str, str], out: Path) -> dict[str, float]:
+    from infra.agent_task import agent_warmstart
     from infra.pretrain import SFTSettings, sft_warmstart
 
     settings = SFTSettings.from_config(cfg.warmstart)
     return _train_once(
         out,
-        sft_warmstart,
+        agent_warmstart if cfg.data.builtin_task == "agent" else sft_warmstart,
         policy_path=Path(assets["policy"]),
         settings=settings,
         seed=cfg.seed,

@@ -45,6 +45,9 @@ CorrectionMode = Literal[
 # The built-in addition task's prompt in tokens of its own character tokenizer, the same for
 # every operand pair (10..99): <bos> <|user|> a a + b b = <|assistant|>.
 BUILTIN_PROMPT_TOKENS = 9
+# The agentic task's (``data.builtin_task=agent``, infra.agent_task), five-digit operands and the
+# add tool: <bos> <|system|> add(a,b) <|user|> aaaaa + bbbbb = <|assistant|>.
+AGENT_PROMPT_TOKENS = 24
 
 
 class ConfigError(ValueError):
@@ -475,6 +478,15 @@ class DataConfig(_Section):
         None, ge=1, description="Use at most this many validation prompts (None = all)."
     )
 
+    builtin_task: Literal["addition", "agent"] = Field(
+        "addition",
+        description=(
+            "The built-in task (no train_files): 'addition' (two-digit sums, one answer) or "
+            "'agent' (five-digit sums, an add tool; infra.agent_task: its own tokenizer, "
+            "policy and warm start; set rollout.tools as configs/agent.yaml does)."
+        ),
+    )
+
     @property
     def builtin(self) -> bool:
         """True when the built-in addition task provides the prompts."""
@@ -877,7 +889,7 @@ class TrainConfig(_Section):
     def _check_token_budgets(self) -> TrainConfig:
         """Every token budget holds the longest sample the run can see (``longest_prompt``)."""
         prompt, lower = (
-            (f"the built-in task's prompt, {BUILTIN_PROMPT_TOKENS} tokens,", "")
+            (f"the built-in task's prompt, {self.longest_prompt} tokens,", "")
             if self.builtin_prompts
             else ("data.max_prompt_length", "data.max_prompt_length or ")
         )
@@ -951,9 +963,12 @@ class TrainConfig(_Section):
     @property
     def longest_prompt(self) -> int:
         """The longest prompt the run can see, in tokens: ``BUILTIN_PROMPT_TOKENS`` for the
-        built-in prompts, else ``data.max_prompt_length`` (a user's files, whose longer prompts
-        ``data.truncation`` handles, or the built-in prompts in a user's chat template)."""
-        return BUILTIN_PROMPT_TOKENS if self.builtin_prompts else self.data.max_prompt_length
+        built-in prompts (``AGENT_PROMPT_TOKENS`` for the agentic task's), else
+        ``data.max_prompt_length`` (a user's files, whose longer prompts ``data.truncation``
+        handles, or the built-in prompts in a user's chat template)."""
+        if not self.builtin_prompts:
+            return self.data.max_prompt_length
+        return AGENT_PROMPT_TOKENS if self.data.builtin_task == "agent" else BUILTIN_PROMPT_TOKENS
 
     @property
     def batch_size(self) -> int:
