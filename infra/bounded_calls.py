@@ -14,9 +14,9 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
-from typing import Any
+from typing import Any, Self
 
-__all__ = ["CallTimeout", "call_with_timeout", "kill_executor", "spawn_executor"]
+__all__ = ["CallTimeout", "PoolOwner", "call_with_timeout", "kill_executor", "spawn_executor"]
 
 REFIRE_S = 0.05  # after a timeout the alarm repeats until the call gives up control
 
@@ -80,3 +80,21 @@ def kill_executor(executor: ProcessPoolExecutor | None) -> None:
     for process in list((getattr(executor, "_processes", None) or {}).values()):
         process.kill()
     executor.shutdown(wait=True, cancel_futures=True)
+
+
+class PoolOwner:
+    """Holds a pool of worker processes started on first use (``_executor``); as a context
+    manager, stops it on exit. ``close`` stops the processes; the next use starts new ones."""
+
+    _executor: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None

@@ -26,7 +26,6 @@ used), so the configuration can check a template without loading a model.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -239,6 +238,8 @@ def judge_scores(
 ) -> JudgeScores:
     """``parse`` over each verdict (see the module docstring); raises ``JudgeParseError`` naming
     ``label`` and the sample key at the first call that raises or returns a bad value."""
+    from infra.reward_functions import as_finite
+
     values: list[float] = []
     failed: list[bool] = []
     for key, verdict in zip(keys, verdicts, strict=True):
@@ -256,7 +257,7 @@ def judge_scores(
             values.append(float(on_parse_error))
             failed.append(True)
             continue
-        number = _finite(value)
+        number = as_finite(value)
         if number is None:
             raise JudgeParseError(
                 f"judge parse function {label} returned {_one_line(repr(value), 80)} on sample "
@@ -268,16 +269,6 @@ def judge_scores(
         values.append(number)
         failed.append(False)
     return JudgeScores(values=values, failed=failed)
-
-
-def _finite(value: object) -> float | None:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return number if math.isfinite(number) else None
 
 
 # --- the model on a worker -----------------------------------------------------------------

@@ -33,7 +33,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal, NamedTuple, Protocol
 
-from infra.bounded_calls import CallTimeout, call_with_timeout, kill_executor, spawn_executor
+from infra.bounded_calls import (
+    CallTimeout,
+    PoolOwner,
+    call_with_timeout,
+    kill_executor,
+    spawn_executor,
+)
 
 __all__ = [
     "BUILTIN_FUNCTIONS",
@@ -391,7 +397,8 @@ def _bounded_call(function: RewardFn, sample: RewardSample, state: _WorkerState)
     )
 
 
-def _as_finite(value: Any) -> float | None:
+def as_finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (not a number, NaN, inf, a string)."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         return None
     try:
@@ -406,13 +413,13 @@ def _parse_value(value: Any) -> Outcome | _Problem:
         if "score" not in value:
             keys = ", ".join(sorted(map(str, value))) or "none"
             return _Problem("no_score", f"a dict with keys: {_one_line(keys, _REPR_CHARS)}")
-        score = _as_finite(value["score"])
+        score = as_finite(value["score"])
         if score is None:
             return _Problem("bad_value", f"score {_short_repr(value['score'])}")
         extras = {str(k): v for k, v in value.items() if k != "score"}
-        numbers = {k: _as_finite(v) for k, v in extras.items()}
+        numbers = {k: as_finite(v) for k, v in extras.items()}
         return score, {k: v for k, v in numbers.items() if v is not None}
-    score = _as_finite(value)
+    score = as_finite(value)
     return _Problem("bad_value", _short_repr(value)) if score is None else (score, {})
 
 
@@ -461,7 +468,7 @@ def _keys_text(samples: Sequence[RewardSample], limit: int = 4) -> str:
     return shown + (f" (+{len(samples) - limit} more)" if len(samples) > limit else "")
 
 
-class RewardFunctionPool:
+class RewardFunctionPool(PoolOwner):
     """Runs ``reward.functions`` on batches of samples in ``workers`` spawned processes.
 
     The processes start on the first ``score`` (each loads every function once) and are
@@ -490,19 +497,7 @@ class RewardFunctionPool:
         self._workers = workers
         self._timeout_s = timeout_s
         self._slack_s = backstop_slack_s
-        self._executor: ProcessPoolExecutor | None = None
-
-    def __enter__(self) -> RewardFunctionPool:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stops the worker processes (a later ``score`` starts new ones)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        self._executor = None
 
     def score(self, samples: Sequence[RewardSample]) -> FunctionScores:
         """Every function on every sample; raises RewardFunctionError if any call fails."""

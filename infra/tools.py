@@ -16,12 +16,18 @@ import functools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from infra.bounded_calls import CallTimeout, call_with_timeout, kill_executor, spawn_executor
+from infra.bounded_calls import (
+    CallTimeout,
+    PoolOwner,
+    call_with_timeout,
+    kill_executor,
+    spawn_executor,
+)
 from infra.reward_functions import _resolved, load_function
 
 __all__ = [
@@ -164,7 +170,7 @@ def _run_call(call: ToolCall) -> ToolResult:
 # --- the parent side ---------------------------------------------------------------------
 
 
-class ToolPool:
+class ToolPool(PoolOwner):
     """Runs tool calls in ``workers`` spawned processes (started on the first call, recreated
     after a call got stuck or a worker died). One caller at a time."""
 
@@ -181,19 +187,7 @@ class ToolPool:
         self._workers = workers
         self._timeout_s = timeout_s
         self._slack_s = backstop_slack_s
-        self._executor: ProcessPoolExecutor | None = None
-
-    def __enter__(self) -> ToolPool:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stops the worker processes (a later ``run`` starts new ones)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        self._executor = None
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """One result per call, in order; unknown tools and bad arguments are error results."""
