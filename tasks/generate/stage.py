@@ -130,18 +130,27 @@ def generate_rows(
             seed=seed,
             min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
         )
-    count = len(prompts.keys)
-    groups = torch.arange(first_group, first_group + count, dtype=torch.int64)  # (P,)
     worker.write(
         sample_meta(prompts, n),
         {
             "response_ids": nested(out.response_ids),
             "rollout_logprobs": nested(out.rollout_logprobs),
-            "group_ids": groups.repeat_interleave(n),  # (P * n,)
-            "rollout_version": torch.full((count * n,), worker.version, dtype=torch.int64),
+            **_provenance(worker, len(prompts.keys), n=n, first_group=first_group),
         },
     )
     return worker.version
+
+
+def _provenance(
+    worker: ModelWorker, prompts: int, *, n: int, first_group: int
+) -> dict[str, torch.Tensor]:
+    """``group_ids`` (prompt i of the shard is group ``first_group + i``) and the
+    ``rollout_version`` of ``prompts * n`` samples, prompt-major."""
+    groups = torch.arange(first_group, first_group + prompts, dtype=torch.int64)  # (P,)
+    return {
+        "group_ids": groups.repeat_interleave(n),  # (P * n,)
+        "rollout_version": torch.full((prompts * n,), worker.version, dtype=torch.int64),
+    }
 
 
 def tool_pool(worker: ModelWorker) -> ToolPool:
@@ -186,8 +195,6 @@ def agent_rows(
             tool_schemas=tool_schemas(cfg.tools),
             eos_token_ids=worker.eos_ids,
         )
-    count = len(prompts.keys)
-    groups = torch.arange(first_group, first_group + count, dtype=torch.int64)  # (P,)
 
     def ints(name: str) -> torch.Tensor:
         return torch.tensor([getattr(t, name) for t in out], dtype=torch.int64)  # (P * n,)
@@ -205,8 +212,7 @@ def agent_rows(
             "tool_calls": ints("tool_calls"),
             "tool_errors": ints("tool_errors"),
             "truncated_tool_responses": ints("truncated_tool_responses"),
-            "group_ids": groups.repeat_interleave(n),  # (P * n,)
-            "rollout_version": torch.full((count * n,), worker.version, dtype=torch.int64),
+            **_provenance(worker, len(prompts.keys), n=n, first_group=first_group),
         },
     )
     return worker.version
