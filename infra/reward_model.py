@@ -8,7 +8,8 @@ and scores rollouts with each member in one of two ways:
   the policy's ``prompt_ids + response_ids`` are scored as they are;
 - **different tokenizer**: each response is decoded with the policy tokenizer (special tokens
   skipped) and the conversation ``raw_prompt + [assistant: response]`` is rendered with the
-  reward model's own chat template and tokenised by its own tokenizer.
+  reward model's own chat template and tokenised by its own tokenizer; a multi-turn rollout's
+  stored conversation (its assistant turns and tool results) is rendered whole in its place.
 
 Either way an input longer than ``max_length`` keeps its *end* (the response) and is flagged in
 ``ScoreOutput.truncated``. Each row is scored at its last real token, found from the row lengths
@@ -184,13 +185,20 @@ class RewardScorer:
     # -- scoring -------------------------------------------------------------------------------
 
     def score(
-        self, *, prompt_ids: list[Tensor], response_ids: list[Tensor], raw_prompt: Sequence[Any]
+        self,
+        *,
+        prompt_ids: list[Tensor],
+        response_ids: list[Tensor],
+        raw_prompt: Sequence[Any],
+        conversations: Sequence[list[dict[str, Any]]] | None = None,
     ) -> ScoreOutput:
         """Score B samples with every member: row b is ``prompt_ids[b]`` answered by
         ``response_ids[b]``.
 
         ``raw_prompt[b]`` (chat messages or a plain string) is used only by a member whose
-        tokenizer differs from the policy's. Raises ValueError when the three lists disagree in
+        tokenizer differs from the policy's; so are ``conversations[b]`` (a multi-turn
+        rollout's whole chat: prompt, assistant turns, tool results), which such a member then
+        renders in place of ``raw_prompt[b]`` and the decoded response. Raises ValueError when the three lists disagree in
         length or when a row has neither prompt nor response tokens (there is nothing to score).
         """
         self.members[0].residency.require_awake("RewardScorer.score()")
@@ -201,7 +209,9 @@ class RewardScorer:
             )
         columns, truncated = [], torch.zeros(len(prompt_ids), dtype=torch.bool)  # (B,)
         for index in range(len(self.members)):
-            scores, cut = self._score_member(index, prompt_ids, response_ids, raw_prompt)
+            scores, cut = self._score_member(
+                index, prompt_ids, response_ids, raw_prompt, conversations
+            )
             columns.append(scores)
             truncated |= cut
         return ScoreOutput(member_scores=torch.stack(columns, dim=1), truncated=truncated)
@@ -212,6 +222,7 @@ class RewardScorer:
         prompt_ids: list[Tensor],
         response_ids: list[Tensor],
         raw_prompt: Sequence[Any],
+        conversations: Sequence[list[dict[str, Any]]] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Member ``index``'s scores (B,) float32 and which of its inputs were cut (B,) bool."""
         member = self.members[index]
@@ -221,6 +232,8 @@ class RewardScorer:
                 torch.cat([p.long().cpu(), r.long().cpu()])
                 for p, r in zip(prompt_ids, response_ids)
             ]
+        elif conversations is not None:
+            rows = [self.render_conversation(chat, member=index) for chat in conversations]
         else:
             rows = [self.render(raw, r, member=index) for raw, r in zip(raw_prompt, response_ids)]
         # 2. Keep the end of over-long rows.
@@ -252,6 +265,19 @@ class RewardScorer:
         ]
         ids = self.members[member].tokenizer.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=False, return_dict=False
+        )
+        return torch.tensor(ids, dtype=torch.long)
+
+    def render_conversation(self, messages: list[dict[str, Any]], *, member: int = 0) -> Tensor:
+        """Re-tokenise a multi-turn conversation for member ``member``: its chat template over
+        the messages' roles, contents (and a tool message's ``name``) (1-D int64)."""
+        chat = [
+            {"role": str(m["role"]), "content": str(m.get("content") or "")}
+            | ({"name": str(m["name"])} if "name" in m else {})
+            for m in messages
+        ]
+        ids = self.members[member].tokenizer.apply_chat_template(
+            chat, tokenize=True, add_generation_prompt=False, return_dict=False
         )
         return torch.tensor(ids, dtype=torch.long)
 

@@ -140,11 +140,15 @@ def score_rows(
     )  # (B,)
     out = ShardScores(response_lengths=n.tolist(), response_truncated=cut.tolist())
     if model:
+        chats = (  # a multi-turn rollout's conversation, for a reward model with its own template
+            worker.read(shard, ("messages",))["messages"] if worker.cfg.rollout.multi_turn else None
+        )
         with worker.awake("reward") as scorer:
             scored = scorer.score(
                 prompt_ids=rows(data["prompt_ids"]),
                 response_ids=responses,
                 raw_prompt=data["raw_prompt"],
+                conversations=chats,
             )
         ensemble = ensemble_scores(
             scored.member_scores, uncertainty_penalty=worker.cfg.reward.uncertainty_penalty

@@ -181,3 +181,30 @@ def test_reward_model_must_have_one_label(tiny_assets, tmp_path: Path):
     AutoTokenizer.from_pretrained(tiny_assets.reward_model).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="num_labels=2"):
         RewardScorer(tmp_path, policy_tokenizer_path=tiny_assets.tokenizer)
+
+
+def test_other_tokenizer_renders_a_multi_turn_conversation_whole(tiny_assets, batch):
+    """A multi-turn rollout's stored chat (tool turns included) is what a reward model with its
+    own template reads; the policy's ids are scored as they are by one that shares them."""
+    scorer = RewardScorer(tiny_assets.reward_model_alt, policy_tokenizer_path=tiny_assets.tokenizer)
+    chats = [
+        [
+            {"role": "user", "content": q},
+            {"role": "assistant", "content": "call", "eos_text": "<eos>"},
+            {"role": "tool", "name": "add", "content": a},
+            {"role": "assistant", "content": a},
+        ]
+        for q, a in CASES
+    ]
+    out = scorer.score(**batch, conversations=chats)
+    for row, chat in enumerate(chats):
+        plain = [{k: m[k] for k in ("role", "content", "name") if k in m} for m in chat]
+        ids = scorer.tokenizer.apply_chat_template(plain, tokenize=True, return_dict=False)
+        assert scorer.render_conversation(chat).tolist() == list(ids)
+        expected = _reference_score(scorer.model, torch.tensor(ids))
+        assert out.scores[row].item() == pytest.approx(expected, abs=1e-5)
+    same = RewardScorer(tiny_assets.reward_model, policy_tokenizer_path=tiny_assets.tokenizer)
+    assert same.same_tokenizer
+    torch.testing.assert_close(
+        same.score(**batch, conversations=chats).scores, same.score(**batch).scores
+    )
