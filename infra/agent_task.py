@@ -1,7 +1,7 @@
-"""The built-in agentic task (``--config agent``): add two five-digit numbers, with an ``add``
+"""The built-in agentic task (``--config agent``): add two four-digit numbers, with an ``add``
 tool the policy may call.
 
-Five-digit sums are beyond what the tiny policy learns to add by itself; the tool adds exactly,
+Four-digit sums are beyond what the tiny policy learns to add by itself; the tool adds exactly,
 so the policy that learns to call it (and to copy its answer) gets the exact rule's reward.
 
 - ``add``: the tool (``rollout.tools: [{path: infra.agent_task, name: add}]``). This module
@@ -9,7 +9,7 @@ so the policy that learns to call it (and to copy its answer) gets the exact rul
 - ``build_agent_assets(root)``: a character tokenizer whose chat template renders tools and
   ``tool`` turns, with the Hermes call written as a few merged pieces (``<tool_call>``,
   ``{"name": "add", "arguments": {"a": ``, ``, "b": ``, ``}}``, ``</tool_call>``) so that a call
-  is 15 tokens; a tiny Llama policy; the prompts (train and held-out, no pair in both).
+  is 13 tokens; a tiny Llama policy; the prompts (train and held-out, no pair in both).
 - ``agent_warmstart``: supervised warm start on demonstrations, ``TOOL_FRACTION`` of them
   calling the tool (the call, the tool's answer as the chat template renders it, the answer
   copied from it) and the rest answering directly (the right sum, which the tiny policy mostly
@@ -53,11 +53,11 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-OPERANDS = range(10_000, 100_000)
+OPERANDS = range(1_000, 10_000)
 TRAIN_PROMPTS = 20_000
 HELDOUT_PROMPTS = 500
-TOOL_FRACTION = 0.25  # demonstrations that call the tool; the rest answer directly
-FORMAT_VERSION = 1
+TOOL_FRACTION = 0.4  # demonstrations that call the tool; the rest answer directly
+FORMAT_VERSION = 2
 CALL_PIECES = ('{"name": "add", "arguments": {"a": ', ', "b": ', "}}")
 MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
 

@@ -45,9 +45,9 @@ CorrectionMode = Literal[
 # The built-in addition task's prompt in tokens of its own character tokenizer, the same for
 # every operand pair (10..99): <bos> <|user|> a a + b b = <|assistant|>.
 BUILTIN_PROMPT_TOKENS = 9
-# The agentic task's (``data.builtin_task=agent``, infra.agent_task), five-digit operands and the
-# add tool: <bos> <|system|> add(a,b) <|user|> aaaaa + bbbbb = <|assistant|>.
-AGENT_PROMPT_TOKENS = 24
+# The agentic task's (``data.builtin_task=agent``, infra.agent_task), four-digit operands and the
+# add tool: <bos> <|system|> add(a,b) <|user|> aaaa + bbbb = <|assistant|>.
+AGENT_PROMPT_TOKENS = 22
 
 
 class ConfigError(ValueError):
@@ -482,7 +482,7 @@ class DataConfig(_Section):
         "addition",
         description=(
             "The built-in task (no train_files): 'addition' (two-digit sums, one answer) or "
-            "'agent' (five-digit sums, an add tool; infra.agent_task: its own tokenizer, "
+            "'agent' (four-digit sums, an add tool; infra.agent_task: its own tokenizer, "
             "policy and warm start; set rollout.tools as configs/agent.yaml does)."
         ),
     )
@@ -687,7 +687,7 @@ def _default_loggers() -> list[Logger]:
 
 
 class TrainerConfig(_Section):
-    total_steps: int = Field(25, ge=1, description="RL iterations.")
+    total_steps: int = Field(40, ge=1, description="RL iterations.")
     max_restarts: int = Field(
         1,
         ge=0,

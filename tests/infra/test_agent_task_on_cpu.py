@@ -26,37 +26,37 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_the_tool_and_its_schema() -> None:
-    assert add(12345, 67890) == 80235
+    assert add(1234, 5678) == 6912
     (schema,) = tool_schemas([_Tool()]) or []
     assert schema["function"]["name"] == "add"
     assert set(schema["function"]["parameters"]["properties"]) == {"a", "b"}
 
 
-def test_a_call_is_fifteen_tokens_and_parses(tokenizer) -> None:
-    text = call_text(12345, 67890)
+def test_a_call_is_thirteen_tokens_and_parses(tokenizer) -> None:
+    text = call_text(1234, 5678)
     ids = tokenizer.encode(text, add_special_tokens=False)
-    assert len(ids) == 15 and tokenizer.decode(ids) == text
-    assert parse_tool_calls(text) == [ToolCall("add", {"a": 12345, "b": 67890})]
+    assert len(ids) == 13 and tokenizer.decode(ids) == text
+    assert parse_tool_calls(text) == [ToolCall("add", {"a": 1234, "b": 5678})]
 
 
 def test_the_prompt_is_rendered_with_the_tool(tokenizer) -> None:
     from infra.config import AGENT_PROMPT_TOKENS
 
-    chat = [{"role": "user", "content": "12345+67890="}]
+    chat = [{"role": "user", "content": "1234+5678="}]
     ids = chat_prompt_ids(tokenizer, chat, tools=tool_schemas([_Tool()]))
-    assert tokenizer.decode(ids) == "<bos><|system|>add(a,b)<|user|>12345+67890=<|assistant|>"
+    assert tokenizer.decode(ids) == "<bos><|system|>add(a,b)<|user|>1234+5678=<|assistant|>"
     assert len(ids) == AGENT_PROMPT_TOKENS
 
 
 def test_demonstrations_with_and_without_the_tool(tokenizer) -> None:
     tools = tool_schemas([_Tool()]) or []
-    prompt, response, trained = demonstration(tokenizer, 12345, 67890, use_tool=True, tools=tools)
+    prompt, response, trained = demonstration(tokenizer, 1234, 5678, use_tool=True, tools=tools)
     assert tokenizer.decode(prompt + response) == (
-        "<bos><|system|>add(a,b)<|user|>12345+67890=<|assistant|>"
-        + call_text(12345, 67890)
-        + "<eos><|tool|>80235<|assistant|>80235<eos>"
+        "<bos><|system|>add(a,b)<|user|>1234+5678=<|assistant|>"
+        + call_text(1234, 5678)
+        + "<eos><|tool|>6912<|assistant|>6912<eos>"
     )
-    # The call and its EOS, then the tool turn (<|tool|> 80235 <|assistant|>) out of the loss.
-    assert trained == [True] * 16 + [False] * 7 + [True] * 6
-    _, direct, trained = demonstration(tokenizer, 12345, 67890, use_tool=False, tools=tools)
-    assert tokenizer.decode(direct) == "80235<eos>" and all(trained)
+    # The call and its EOS, then the tool turn (<|tool|> 6912 <|assistant|>) out of the loss.
+    assert trained == [True] * 14 + [False] * 6 + [True] * 5
+    _, direct, trained = demonstration(tokenizer, 1234, 5678, use_tool=False, tools=tools)
+    assert tokenizer.decode(direct) == "6912<eos>" and all(trained)
