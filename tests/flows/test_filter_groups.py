@@ -119,23 +119,13 @@ def test_a_step_that_keeps_no_group_updates_nothing_and_says_so(
 ) -> None:
     """The untrained tiny policy never answers right: on the rule, no group spreads, every
     round drops everything, and the step logs that it trained on nothing."""
-    from flows.train import ppo_train
-
-    cfg = load_config(
-        CONFIGS / "tiny.yaml",
-        [
-            *tiny_overrides,
-            "algorithm.filter_groups.enabled=true",
-            "algorithm.filter_groups.metric=rule",
-            "algorithm.filter_groups.max_rounds=2",
-            "trainer.total_steps=2",
-            "trainer.eval_every=100",
-        ],
+    cfg, run_dir, rows, _ = _run(
+        tiny_overrides,
+        tmp_path,
+        "algorithm.filter_groups.metric=rule",
+        "algorithm.filter_groups.max_rounds=2",
+        "trainer.total_steps=2",
     )
-    state = ppo_train(cfg, return_state=True)
-    assert state.is_completed(), state.message
-    run_dir = Path(state.result()["run_dir"])
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         assert row["filter/kept_groups"] == 0 and row["filter/rounds"] == 2
         assert row["filter/dropped_groups"] >= cfg.rollout.prompts_per_step
