@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from infra.assets import AssetPaths
     from infra.pretrain import SFTSettings
@@ -170,7 +170,7 @@ def build_agent_assets(root: Path, *, seed: int = 0, force: bool = False) -> Ass
 
 
 def demonstration(
-    tokenizer: PreTrainedTokenizerFast,
+    tokenizer: PreTrainedTokenizerBase,
     a: int,
     b: int,
     *,
