@@ -2,7 +2,8 @@
 
 Run:  .venv/bin/python benchmarks/overoptimisation.py [--seeds 0 1 2] [--steps 80]
           [--rm-steps 100] [--members 3] [--penalty 1.0] [--eval-every 5]
-          [--sft-from 'runs/ms-{seed}/warmstart/sft'] [--root runs/overopt]
+          [--sft-from 'runs/ms-{seed}/warmstart/sft'] [--warm-from 'runs/x-{seed}/warmstart']
+          [--root runs/overopt]
           [--set key=value ...] [--output PATH] [--plot PATH]
 
 The setting is the main job (``ppoflow train``: SFT warm start, a reward model on rule-derived
@@ -18,7 +19,10 @@ reward model (``warmstart.rm_steps`` = ``--rm-steps``: fewer pairs) and a longer
 Each run is ``ppoflow train`` in its own subprocess. ``--sft-from`` copies a finished SFT folder
 (with its ``report.json``: the warm start then does not redo it) into the first run of a seed;
 the SFT recipe depends on the seed and ``warmstart.sft_steps`` only, so any run of the main job
-with the same seed gives the same folder. The gold metric is ``eval/rule_accuracy`` (greedy, the
+with the same seed gives the same folder. ``--warm-from`` copies a finished warm start (the SFT
+folder and those of the reward models that have a report) when one exists for the seed: it must
+come from a run with the same seed and ``warmstart.rm_steps``, which trains the same folders (the
+benchmark does not check); the members it lacks are trained. The gold metric is ``eval/rule_accuracy`` (greedy, the
 held-out prompts, every ``--eval-every`` steps); the proxy the policy optimises is the training
 batch's reward-model score (``reward/rm_score/mean``; ``reward/rm_mean/mean`` is the members'
 mean). Per run: the peak held-out accuracy and its step, the last one, and the drop between them.
@@ -72,6 +76,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--sft-from", default=None, help="an SFT folder per seed, with {seed}")
+    parser.add_argument("--warm-from", default=None, help="a warmstart folder per seed, {seed}")
     parser.add_argument("--root", type=Path, default=ROOT / "runs" / "overopt")
     parser.add_argument("--set", dest="extra", nargs="*", default=[], help="more key=value")
     parser.add_argument("--output", type=Path, default=RESULTS / "overoptimisation.json")
@@ -121,6 +126,12 @@ def seed_sft(args: argparse.Namespace, seed: int, variant: str) -> None:
     """Copy a finished SFT folder into the run (``--sft-from``, else the seed's ensemble run)."""
     target = run_dir(args, seed, variant) / "warmstart" / "sft"
     if (target / "report.json").exists():
+        return
+    warm = Path(args.warm_from.format(seed=seed)) if args.warm_from else None
+    if variant == "ensemble" and warm is not None and (warm / "sft" / "report.json").exists():
+        for folder in ["sft", *(p.name for p in members(args, seed))]:
+            if (warm / folder / "report.json").exists():  # the rest are trained by the run
+                shutil.copytree(warm / folder, target.parent / folder, dirs_exist_ok=True)
         return
     source = run_dir(args, seed, "ensemble") / "warmstart" / "sft"
     if variant == "ensemble" and args.sft_from:
@@ -261,6 +272,7 @@ def main() -> None:
         "eval_every": args.eval_every,
         "extra": args.extra,
         "sft_from": args.sft_from,
+        "warm_from": args.warm_from,
     }
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -130,7 +130,7 @@ class WarmstartConfig(_Section):
     )
     sft_steps: int = Field(4000, ge=0, description="SFT optimizer steps.")
     sft_max_seconds: float | None = Field(None, gt=0, description="Wall-clock cap on SFT.")
-    rm_steps: int = Field(1000, ge=0, description="Reward-model optimizer steps.")
+    rm_steps: int = Field(2000, ge=0, description="Optimizer steps of each reward model.")
     rm_max_seconds: float | None = Field(
         None, gt=0, description="Wall-clock cap on reward-model training."
     )
@@ -318,7 +318,7 @@ class RewardConfig(_Section):
         ge=0,
         description=(
             "A reward-model ensemble's score is mean - uncertainty_penalty * std over its members "
-            "(0 = the mean; one model has std 0)."
+            "(0 = the mean; one model has std 0, so this changes nothing for it)."
         ),
     )
     rule_weight: float = Field(
@@ -687,7 +687,7 @@ def _default_loggers() -> list[Logger]:
 
 
 class TrainerConfig(_Section):
-    total_steps: int = Field(40, ge=1, description="RL iterations.")
+    total_steps: int = Field(55, ge=1, description="RL iterations.")
     max_restarts: int = Field(
         1,
         ge=0,

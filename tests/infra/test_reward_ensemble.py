@@ -76,8 +76,6 @@ def test_config_takes_one_folder_or_a_list() -> None:
     assert two.models.reward_models == (Path("/a"), Path("/b"))
     assert two.uses_reward_model
     assert TrainConfig().models.reward_models == ()
-    assert TrainConfig().warmstart.rm_ensemble == 1
-    assert TrainConfig().reward.uncertainty_penalty >= 0.0
     with pytest.raises(ConfigError, match=r"models\.reward_model=\[\]"):
         load_config(None, [*base, "models.reward_model=[]"])
     with pytest.raises(ConfigError, match="rm_ensemble"):
