@@ -289,7 +289,9 @@ def main() -> None:
             state = "ok" if run["ok"] else f"failed: {run['error'][:200]}"
             print(f"seed {seed} {variant}: {state} ({run['wall_s']:.0f} s)", flush=True)
             args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(json.dumps(report, indent=1) + "\n")
+            # Paths relative to the repository: a result file names no machine's folders.
+            text = json.dumps(report, indent=1).replace(f"{ROOT}/", "")
+            args.output.write_text(text + "\n")
     plot(report, args.plot)
     print_table(report)
 
