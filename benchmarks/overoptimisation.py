@@ -246,9 +246,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.legend(loc="lower right")
     right.legend(loc="lower right")
     s = report["settings"]
+    seeds = sorted({seed for by_seed in report["runs"].values() for seed in by_seed})
     fig.suptitle(
         f"rm_steps={s['rm_steps']}, {s['members']} members, penalty {s['penalty']}: "
-        f"seeds {', '.join(map(str, s['seeds']))} (thin), their mean (thick)"
+        f"seeds {', '.join(seeds)} (thin), their mean (thick)"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
