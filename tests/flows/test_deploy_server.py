@@ -114,7 +114,10 @@ def _write_yaml(path: Path, config: dict[str, Any], **extra: Any) -> Path:
     [
         ({"trainer": {"total_steps": 0}}, "trainer.total_steps"),
         ({"trainer": {"totl_steps": 5}}, "trainer.totl_steps"),
-        ({"resources": {"mode": "separate_async"}}, "reward.pool"),
+        (
+            {"algorithm": {"filter_groups": {"enabled": True, "metric": "nope"}}},
+            "algorithm.filter_groups.metric",
+        ),
     ],
 )
 def test_bad_preset_fails_before_registering(
