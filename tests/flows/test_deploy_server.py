@@ -297,12 +297,12 @@ def test_bad_run_parameter_is_refused_naming_the_field(
         )
     assert "total_steps" in str(err.value)
     # 2. A cross-field rule passes the schema and fails the run before any work, named.
-    bad = {"config": {"resources": {"mode": "separate_async"}}}
+    bad = {"config": {"algorithm": {"filter_groups": {"enabled": True, "metric": "nope"}}}}
     with get_client(sync_client=True) as client:
         created = client.create_flow_run_from_deployment(dep_id, parameters=bad)
     run = asyncio.run(wait_flow_run(created.id, timeout_s=300))
     assert run.state.is_failed(), run.state
-    assert "reward.pool" in (run.state.message or ""), run.state.message
+    assert "algorithm.filter_groups.metric" in (run.state.message or ""), run.state.message
 
 
 @pytest.mark.slow
