@@ -84,11 +84,11 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pipeline_parts.load import wait_for_load
 from pipeline_parts.peers import PEERS, ensure_venv, run_peer
 from pipeline_parts.ppoflow_runs import child_main, run_ppoflow, run_solo
 from pipeline_parts.report import (
@@ -163,25 +163,6 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.output}")
-
-
-def wait_for_load(threshold: float | None, max_minutes: float) -> dict[str, Any] | None:
-    """Wait (checking every 60 s, at most ``max_minutes``) until the 1-minute load average is
-    below ``threshold``; returns what was seen. None without a threshold."""
-    if threshold is None:
-        return None
-    started, seen = time.monotonic(), [os.getloadavg()[0]]
-    while seen[-1] >= threshold and time.monotonic() - started < 60 * max_minutes:
-        print(f"load average {seen[-1]:.2f} >= {threshold}: waiting 60 s ...", flush=True)
-        time.sleep(60)
-        seen.append(os.getloadavg()[0])
-    return {
-        "threshold": threshold,
-        "reached": seen[-1] < threshold,
-        "waited_s": round(time.monotonic() - started),
-        "load_1min_seen": [round(x, 2) for x in seen],
-        "load_avg_at_start": os.getloadavg(),
-    }
 
 
 def run_varlen(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline_parts.children import child_env
+from pipeline_parts.load import wait_for_load
 from pipeline_parts.settings import CHILD_TIMEOUT_S, ROOT
 from pipeline_parts.workload import WORK, build_tokenizer, build_work, ppoflow_config
 
@@ -209,19 +210,6 @@ def print_table(report: dict[str, Any]) -> None:
     print(
         f"colocation cost (step time colocated / own - 1): {cost if cost is None else f'{cost:+.1%}'}"
     )
-
-
-def wait_for_load(threshold: float | None, max_minutes: float) -> dict[str, Any] | None:
-    """Wait (every 60 s, at most ``max_minutes``) for the 1-minute load average to drop below
-    ``threshold``; returns what was seen. None without a threshold."""
-    if threshold is None:
-        return None
-    started, seen = time.monotonic(), [os.getloadavg()[0]]
-    while seen[-1] >= threshold and time.monotonic() - started < 60 * max_minutes:
-        print(f"load average {seen[-1]:.2f} >= {threshold}: waiting 60 s ...", flush=True)
-        time.sleep(60)
-        seen.append(os.getloadavg()[0])
-    return {"threshold": threshold, "reached": seen[-1] < threshold, "load_1min_seen": seen}
 
 
 def main() -> None:
