@@ -12,6 +12,7 @@ back as kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from prefect import task
@@ -41,23 +42,24 @@ class FilterResult:
     removed: int  # rows taken out of the partition by this try
 
 
-def metric_values(ctx: StageContext, meta: BatchMeta, metric: str) -> torch.Tensor:
-    """(B,) float64: the filter metric of each row of ``meta``."""
-    store = ctx.rt.store
-    keys = list(meta.keys)
+def metric_field(metric: str) -> str:
+    """The stored field that holds ``metric`` (a reward function's: ``reward_parts``)."""
+    return {"score": "scores", "rule": "rule_scores"}.get(metric, "reward_parts")
+
+
+def metric_values(data: dict[str, Any], meta: BatchMeta, metric: str) -> torch.Tensor:
+    """(B,) float64: the filter metric of each row of ``meta``, from its read ``data``."""
+    got = data[metric_field(metric)]
     if metric in ("score", "rule"):
-        field = "scores" if metric == "score" else "rule_scores"
-        got = store.kv_batch_get(keys, meta.partition_id, [field], timeout=0)[field]
         return torch.as_tensor(got).double()
-    parts = store.kv_batch_get(keys, meta.partition_id, ["reward_parts"], timeout=0)["reward_parts"]
     name = f"fn/{metric}"
-    missing = [k for k, p in zip(keys, parts, strict=True) if name not in p]
+    missing = [k for k, p in zip(meta.keys, got, strict=True) if name not in p]
     if missing:
         raise KeyError(
             f"algorithm.filter_groups.metric={metric!r}: no {name!r} part in reward_parts of "
             f"{len(missing)} row(s) of {meta.partition_id}, e.g. {missing[0]!r}"
         )
-    return torch.tensor([float(p[name]) for p in parts], dtype=torch.float64)
+    return torch.tensor([float(p[name]) for p in got], dtype=torch.float64)
 
 
 @task(name="filter", cache_policy=NO_CACHE, task_run_name="filter[step={step}, round={job.round}]")
@@ -68,9 +70,11 @@ def filter_groups(ctx: StageContext, job: FilterJob, step: int) -> FilterResult:
     present = ctx.rt.store.kv_list(meta.partition_id)
     live = BatchMeta(meta.partition_id, tuple(k for k in meta.keys if k in present), meta.fields)
     # 2. The metric and the groups; the choice.
-    values = metric_values(ctx, live, ctx.cfg.algorithm.filter_groups.metric)  # (B,)
-    groups = ctx.rt.store.kv_batch_get(list(live.keys), live.partition_id, ["group_ids"], timeout=0)
-    group_ids = torch.as_tensor(groups["group_ids"])  # (B,)
+    metric = ctx.cfg.algorithm.filter_groups.metric
+    fields = ["group_ids", metric_field(metric)]
+    data = ctx.rt.store.kv_batch_get(list(live.keys), live.partition_id, fields, timeout=0)
+    values = metric_values(data, live, metric)  # (B,)
+    group_ids = torch.as_tensor(data["group_ids"])  # (B,)
     choice = choose_groups(values=values, group_ids=group_ids, want=job.want)
     # 3. Remove the rows of dropped and surplus groups; the kept rows' handle.
     keep = set(choice.kept)
