@@ -12,7 +12,10 @@ finished stage is not redone, so a resumed or re-scheduled run reuses them. The 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,31 @@ def _train_once(out: Path, train: Callable[..., Any], **kwargs: Any) -> dict[str
     return result
 
 
+def _in_own_process(train: Callable[..., Any], threads: int) -> Callable[..., Any]:
+    """``train`` run in a freshly spawned process with ``threads`` torch threads: its own
+    interpreter and random state, so members trained side by side each train as they would
+    alone, and the GIL of one does not hold back another."""
+
+    def run(**kwargs: Any) -> Any:
+        from infra.pretrain import call_with_threads
+
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+            return pool.submit(call_with_threads, threads, train, kwargs).result()
+
+    return run
+
+
+def rm_workers(cfg: TrainConfig) -> int:
+    """How many ensemble members train at once (``warmstart.rm_workers``; by default one per
+    member, as many as the CPUs this process may use hold at ``threads_per_worker`` each)."""
+    if cfg.warmstart.rm_workers is not None:
+        return min(cfg.warmstart.rm_workers, cfg.warmstart.rm_ensemble)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    fit = max(1, (cpus or 1) // cfg.resources.threads_per_worker)
+    return min(fit, cfg.warmstart.rm_ensemble)
+
+
 def _data_paths(assets: dict[str, str]) -> dict[str, Path]:
     return {
         "tokenizer_path": Path(assets["tokenizer"]),
@@ -107,14 +135,20 @@ def sft(cfg: TrainConfig, assets: dict[str, str], out: Path) -> dict[str, float]
     task_run_name="train-reward-model[member={member}]",
 )
 def reward_model(
-    cfg: TrainConfig, assets: dict[str, str], sft_dir: Path, out: Path, member: int = 0
+    cfg: TrainConfig,
+    assets: dict[str, str],
+    sft_dir: Path,
+    out: Path,
+    member: int = 0,
+    own_process: bool = False,
 ) -> dict[str, float]:
     from infra.pretrain import RewardModelSettings, train_reward_model
 
     settings = RewardModelSettings.from_config(cfg.warmstart)
+    threads = cfg.resources.threads_per_worker
     return _train_once(
         out,
-        train_reward_model,
+        _in_own_process(train_reward_model, threads) if own_process else train_reward_model,
         init_path=sft_dir,
         settings=settings,
         seed=cfg.seed,
@@ -203,12 +237,24 @@ def reward_model_flow(config: TrainConfig = TrainConfig()) -> ResolvedModels:  #
 def _train_reward_models(
     cfg: TrainConfig, assets: dict[str, str], sft_dir: Path, root: Path
 ) -> tuple[list[str], list[float]]:
-    """Train ``warmstart.rm_ensemble`` reward models from the SFT policy, one after another;
-    their folders and held-out pair accuracies. Fails on one below ``min_rm_pair_accuracy``."""
+    """Train ``warmstart.rm_ensemble`` reward models from the SFT policy, ``rm_workers`` at a
+    time (each in a process of its own when more than one trains at once, otherwise one after
+    another in this process); their folders and held-out pair accuracies. Fails on one below
+    ``min_rm_pair_accuracy``."""
+    count, workers = cfg.warmstart.rm_ensemble, rm_workers(cfg)
+    outs = [root / ("reward_model" if k == 0 else f"reward_model_{k}") for k in range(count)]
+    if workers == 1:
+        reports = [reward_model(cfg, assets, sft_dir, out, k) for k, out in enumerate(outs)]
+    else:
+        reports = []
+        for start in range(0, count, workers):
+            wave = [
+                reward_model.submit(cfg, assets, sft_dir, outs[k], k, own_process=True)
+                for k in range(start, min(start + workers, count))
+            ]
+            reports.extend(future.result() for future in wave)
     paths, accuracies = [], []
-    for member in range(cfg.warmstart.rm_ensemble):
-        out = root / ("reward_model" if member == 0 else f"reward_model_{member}")
-        rep = reward_model(cfg, assets, sft_dir, out, member)
+    for member, (out, rep) in enumerate(zip(outs, reports)):
         accuracy = rep["heldout_pair_accuracy"]
         if accuracy < cfg.warmstart.min_rm_pair_accuracy:
             raise RuntimeError(

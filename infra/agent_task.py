@@ -259,10 +259,19 @@ def agent_warmstart(
     operands = [_operands(row.ground_truth, row.raw_prompt) for row in read_prompt_rows(train_path)]
     rng = random.Random(seed)
 
-    # 2. Each step: a batch of fresh demonstrations, TOOL_FRACTION of them with the tool.
+    # 2. Each step: a batch of fresh demonstrations, TOOL_FRACTION of them with the tool. A
+    #    demonstration depends on its operands and tool use only: each is rendered once.
+    rendered: dict[tuple[int, int, bool], tuple[list[int], list[int], list[bool]]] = {}
+
+    def demo(a: int, b: int, use_tool: bool) -> tuple[list[int], list[int], list[bool]]:
+        key = (a, b, use_tool)
+        if key not in rendered:
+            rendered[key] = demonstration(tokenizer, a, b, use_tool=use_tool, tools=tools)
+        return rendered[key]
+
     def loss_fn(progress: float) -> Any:
         rows = [
-            demonstration(tokenizer, a, b, use_tool=rng.random() < TOOL_FRACTION, tools=tools)
+            demo(a, b, rng.random() < TOOL_FRACTION)
             for a, b in rng.choices(operands, k=settings.batch_size)
         ]
         return _masked_nll(model, rows, int(tokenizer.pad_token_id))

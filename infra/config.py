@@ -148,6 +148,15 @@ class WarmstartConfig(_Section):
             "data order; more than one is an ensemble (reward.uncertainty_penalty)."
         ),
     )
+    rm_workers: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Processes that train the ensemble's members at once, each member as it would train "
+            "alone (null: one per member, up to the CPU count / resources.threads_per_worker); "
+            "1 trains them one after another in the flow's own process."
+        ),
+    )
 
 
 class ToolConfig(_Section):

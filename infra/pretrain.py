@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,8 @@ from infra.reward_model import last_token_scores
 
 if TYPE_CHECKING:
     from infra.config import WarmstartConfig
+
+T = TypeVar("T")
 
 # The built-in task's warm-start recipe. The budgets (steps, seconds) are the config's
 # (``warmstart.*``); these fix the rest, tuned for the tiny addition models.
@@ -372,7 +374,15 @@ def sft_warmstart(
     prompt_cache = {row.uid: render_prompt_ids(tokenizer, row.raw_prompt) for row in rows}
     rng = random.Random(seed)
 
-    # 2. Each step: a batch of prompts, each with a freshly drawn careless answer.
+    # 2. Each step: a batch of prompts, each with a freshly drawn careless answer (an answer's
+    #    ids are tokenised once).
+    answer_cache: dict[str, list[int]] = {}
+
+    def ids_of(answer: str) -> list[int]:
+        if answer not in answer_cache:
+            answer_cache[answer] = answer_ids(tokenizer, answer)
+        return answer_cache[answer]
+
     def loss_fn(progress: float) -> torch.Tensor:
         batch = rng.choices(rows, k=settings.batch_size)
         answers = [
@@ -381,7 +391,7 @@ def sft_warmstart(
         return response_nll(
             model,
             [prompt_cache[r.uid] for r in batch],
-            [answer_ids(tokenizer, a) for a in answers],
+            [ids_of(a) for a in answers],
             tokenizer.pad_token_id,
         )
 
@@ -463,6 +473,13 @@ class RewardModelSettings:
             max_new_tokens=WARMSTART_MAX_NEW_TOKENS,
             eval_rejected_per_prompt=RM_EVAL_REJECTED_PER_PROMPT,
         )
+
+
+def call_with_threads(threads: int, train: Callable[..., T], kwargs: dict[str, Any]) -> T:
+    """``train(**kwargs)`` with ``threads`` torch threads: the entry point of a process that
+    trains one model (an ensemble member) beside others."""
+    torch.set_num_threads(threads)
+    return train(**kwargs)
 
 
 def member_seed(seed: int, member: int) -> int:

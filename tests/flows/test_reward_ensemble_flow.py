@@ -1,5 +1,6 @@
-"""A tiny training flow with a two-member reward-model ensemble trained by the warm start: both
-members are trained and reported, and every step scores mean − penalty × std over them."""
+"""A tiny training flow with a two-member reward-model ensemble trained by the warm start, the
+members side by side in processes of their own: both are trained and reported, each is the
+model it would be trained alone, and every step scores mean − penalty × std over them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from infra.config import load_config
 
@@ -27,6 +30,7 @@ def test_warm_start_trains_two_members_and_the_run_scores_with_both(
             "resources.num_cpus=4",
             "warmstart.rm_ensemble=2",
             "reward.uncertainty_penalty=0.5",
+            "warmstart.rm_workers=2",  # side by side, each member in a process of its own
         ],
     )
     state = ppo_train(cfg, return_state=True)
@@ -51,3 +55,20 @@ def test_warm_start_trains_two_members_and_the_run_scores_with_both(
     sample = json.loads((run_dir / "samples" / "step_0.jsonl").read_text().splitlines()[0])
     parts = sample["rewards"]
     assert parts["rm"] == pytest.approx(parts["rm_mean"] - 0.5 * parts["rm_std"], abs=1e-5)
+    # 4. A member trained side by side with the other is the model it would be trained alone.
+    from infra.pretrain import RewardModelSettings, train_reward_model
+
+    alone = tmp_path / "member_1_alone"
+    train_reward_model(
+        init_path=warm / "sft",
+        tokenizer_path=assets.tokenizer,
+        train_path=assets.train_data,
+        heldout_path=assets.heldout_data,
+        out_path=alone,
+        settings=RewardModelSettings.from_config(cfg.warmstart),
+        seed=cfg.seed,
+        member=1,
+    )
+    side_by_side = load_file(warm / "reward_model_1" / "model.safetensors")
+    for name, tensor in load_file(alone / "model.safetensors").items():
+        assert torch.equal(tensor, side_by_side[name]), name

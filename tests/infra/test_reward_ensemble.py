@@ -5,6 +5,7 @@ members (own seeds, same held-out pairs)."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -82,6 +83,20 @@ def test_config_takes_one_folder_or_a_list() -> None:
         load_config(None, ["warmstart.rm_ensemble=0"])
     with pytest.raises(ConfigError, match="uncertainty_penalty"):
         load_config(None, ["reward.uncertainty_penalty=-0.1"])
+    with pytest.raises(ConfigError, match="rm_workers"):
+        load_config(None, ["warmstart.rm_workers=0"])
+
+
+def test_members_train_side_by_side_as_the_cpus_allow() -> None:
+    from flows.reward_model import rm_workers
+
+    cpus = len(os.sched_getaffinity(0))
+    three = ["warmstart.rm_ensemble=3"]
+    assert rm_workers(load_config(None, three)) == min(3, cpus)
+    assert rm_workers(load_config(None, [*three, "resources.threads_per_worker=64"])) == 1
+    assert rm_workers(load_config(None, [*three, "warmstart.rm_workers=1"])) == 1
+    assert rm_workers(load_config(None, [*three, "warmstart.rm_workers=8"])) == 3
+    assert rm_workers(load_config(None, [])) == 1  # one model: trained in the flow's process
 
 
 def test_reward_model_paths_normalises_every_form() -> None:
