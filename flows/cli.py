@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from infra.config import TrainConfig
 
 EVENTS_DRAIN_S = 10.0
+# The preset `ppoflow train` and `ppoflow config` read when no --config is given: the main job.
+MAIN_JOB = "default"
 
 
 def _quiet_defaults() -> None:
@@ -75,7 +77,7 @@ def _config(args: argparse.Namespace) -> int:
     from infra.config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config or MAIN_JOB, args.overrides)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"ppoflow: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -87,7 +89,7 @@ def _train(args: argparse.Namespace) -> int:
     from infra.config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config or MAIN_JOB, args.overrides)
         _preflight(cfg)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"ppoflow: {_one_line(exc)}", file=sys.stderr)
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             "--config",
             type=Path,
             default=None,
-            help="YAML config or preset name (default: the embedded main job)",
+            help="YAML config or preset name (default: the main job, preset default)",
         )
         command.add_argument(
             "overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=20"

@@ -23,10 +23,13 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_no_config_prints_the_default_config(capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_config_prints_the_main_job(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys)
     assert (code, err) == (0, "")
-    assert yaml.safe_load(out) == TrainConfig().model_dump(mode="json")
+    main_job = TrainConfig().model_dump(mode="json")
+    main_job["warmstart"]["rm_ensemble"] = 2  # the main job's ensemble (preset default)
+    main_job["reward"]["uncertainty_penalty"] = 1.0
+    assert yaml.safe_load(out) == main_job
     assert out.startswith("name: default\n")  # the config's own field order
 
 
