@@ -61,10 +61,13 @@ def build_assets(cfg: TrainConfig) -> dict[str, str]:
     from infra.agent_task import build_agent_assets
     from infra.assets import build_tiny_assets
 
+    # A folder per seed (the models' initial weights and the data split depend on it): runs of
+    # different seeds never rebuild each other's assets.
     if cfg.data.builtin_task == "agent":
-        paths = build_agent_assets(cfg.models.assets_dir / "agent", seed=cfg.seed)
+        root = cfg.models.assets_dir / "agent" / f"seed-{cfg.seed}"
+        paths = build_agent_assets(root, seed=cfg.seed)
     else:
-        paths = build_tiny_assets(cfg.models.assets_dir, seed=cfg.seed)
+        paths = build_tiny_assets(cfg.models.assets_dir / f"seed-{cfg.seed}", seed=cfg.seed)
     return {k: str(v) for k, v in asdict(paths).items()}
 
 

@@ -143,11 +143,18 @@ def build_agent_assets(root: Path, *, seed: int = 0, force: bool = False) -> Ass
     """Tokenizer, tiny Llama policy and prompt files under ``root`` (``AssetPaths`` layout; no
     critic or reward model: the task's reward is the exact rule). Idempotent like
     ``build_tiny_assets``: a manifest written last records what was built."""
+    from infra.assets import build_lock
+
+    with build_lock(Path(root)):
+        return _build_agent_assets(Path(root), seed=seed, force=force)
+
+
+def _build_agent_assets(root: Path, *, seed: int, force: bool) -> AssetPaths:
     from transformers import LlamaForCausalLM
 
     from infra.assets import AssetPaths, TinyModelSpec, _llama_config, _save_model
 
-    paths = AssetPaths.under(Path(root))
+    paths = AssetPaths.under(root)
     spec = TinyModelSpec(max_positions=128)
     wanted = {"format_version": FORMAT_VERSION, "seed": seed, "policy": spec.__dict__}
     if not force and paths.manifest.is_file() and json.loads(paths.manifest.read_text()) == wanted:

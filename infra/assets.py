@@ -17,8 +17,11 @@ Every model is saved with ``save_pretrained`` and is meant to be loaded back wit
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -247,6 +250,26 @@ def build_tiny_assets(
     manifest is written last, so an interrupted build is redone on the next call.
     """
     root = Path(root)
+    with build_lock(root):
+        return _build_tiny_assets(root, seed=seed, policy=policy, reward=reward, force=force)
+
+
+@contextmanager
+def build_lock(root: Path) -> Iterator[None]:
+    """An exclusive lock beside ``root``, held while it is checked and built: a second process
+    building the same folder waits, then finds it built (a reader never sees half a build)."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_tiny_assets(
+    root: Path, *, seed: int, policy: TinyModelSpec, reward: TinyModelSpec, force: bool
+) -> AssetPaths:
     paths = AssetPaths.under(root)
     wanted = _manifest(seed, policy, reward)
     if not force and _read_manifest(paths.manifest) == wanted:

@@ -64,7 +64,8 @@ class ModelsConfig(_Section):
     With no ``policy`` the built-in addition task's tiny assets are built and warm-started."""
 
     assets_dir: Path = Field(
-        Path(".ppoflow/assets"), description="Where tiny assets are built (shared by runs)."
+        Path(".ppoflow/assets"),
+        description="Where tiny assets are built, a folder per seed (shared by the runs of a seed).",
     )
     policy: Path | None = Field(
         None, description="Policy checkpoint (HF folder); None = the built-in task's tiny policy."

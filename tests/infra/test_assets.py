@@ -125,3 +125,39 @@ def test_same_seed_same_weights_other_seed_differs(tmp_path: Path) -> None:
     assert torch.equal(weights[0], weights[1])
     assert not torch.equal(weights[0], weights[2])
     assert (a.train_data.read_bytes() == b.train_data.read_bytes()) and a.heldout_data.is_file()
+
+
+def test_each_seed_builds_its_own_folder(tmp_path: Path) -> None:
+    from flows.reward_model import build_assets
+    from infra.config import load_config
+
+    def assets_of(seed: int, *extra: str) -> dict[str, str]:
+        cfg = load_config(None, [f"models.assets_dir={tmp_path}", f"seed={seed}", *extra])
+        return build_assets.fn(cfg)
+
+    zero, one = assets_of(0), assets_of(1)
+    assert Path(zero["policy"]).parent == tmp_path / "seed-0"
+    assert Path(one["policy"]).parent == tmp_path / "seed-1"
+    # Building seed 1 left seed 0's assets as they were: a run of seed 0 still reads its own.
+    assert json.loads((tmp_path / "seed-0" / "manifest.json").read_text())["seed"] == 0
+    agent = assets_of(2, "data.builtin_task=agent")
+    assert Path(agent["policy"]).parent == tmp_path / "agent" / "seed-2"
+
+
+def test_a_second_builder_of_the_same_folder_waits_for_the_first(tmp_path: Path) -> None:
+    import threading
+
+    from infra.assets import build_lock
+
+    spec = TinyModelSpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    root = tmp_path / "seed-0"
+    built: list[AssetPaths] = []
+    second = threading.Thread(
+        target=lambda: built.append(build_tiny_assets(root, seed=0, policy=spec, reward=spec))
+    )
+    with build_lock(root):  # the first builder, mid-build
+        second.start()
+        second.join(timeout=2.0)
+        assert second.is_alive() and not built  # it waits: nothing half built is read
+    second.join(timeout=120)
+    assert built and built[0].manifest.is_file()
