@@ -20,6 +20,7 @@ so the policy that learns to call it (and to copy its answer) gets the exact rul
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
@@ -268,13 +269,9 @@ def agent_warmstart(
 
     # 2. Each step: a batch of fresh demonstrations, TOOL_FRACTION of them with the tool. A
     #    demonstration depends on its operands and tool use only: each is rendered once.
-    rendered: dict[tuple[int, int, bool], tuple[list[int], list[int], list[bool]]] = {}
-
+    @functools.cache
     def demo(a: int, b: int, use_tool: bool) -> tuple[list[int], list[int], list[bool]]:
-        key = (a, b, use_tool)
-        if key not in rendered:
-            rendered[key] = demonstration(tokenizer, a, b, use_tool=use_tool, tools=tools)
-        return rendered[key]
+        return demonstration(tokenizer, a, b, use_tool=use_tool, tools=tools)
 
     def loss_fn(progress: float) -> Any:
         rows = [

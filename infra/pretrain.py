@@ -21,6 +21,7 @@ length (never by looking for padding). Run the whole recipe with ``python -m inf
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -376,12 +377,9 @@ def sft_warmstart(
 
     # 2. Each step: a batch of prompts, each with a freshly drawn careless answer (an answer's
     #    ids are tokenised once).
-    answer_cache: dict[str, list[int]] = {}
-
+    @functools.cache
     def ids_of(answer: str) -> list[int]:
-        if answer not in answer_cache:
-            answer_cache[answer] = answer_ids(tokenizer, answer)
-        return answer_cache[answer]
+        return answer_ids(tokenizer, answer)
 
     def loss_fn(progress: float) -> torch.Tensor:
         batch = rng.choices(rows, k=settings.batch_size)
