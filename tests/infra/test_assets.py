@@ -147,17 +147,26 @@ def test_each_seed_builds_its_own_folder(tmp_path: Path) -> None:
 def test_a_second_builder_of_the_same_folder_waits_for_the_first(tmp_path: Path) -> None:
     import threading
 
-    from infra.assets import build_lock
+    from infra.assets import _build_tiny_assets, build_lock
 
     spec = TinyModelSpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
     root = tmp_path / "seed-0"
+    events: list[str] = []
     built: list[AssetPaths] = []
-    second = threading.Thread(
-        target=lambda: built.append(build_tiny_assets(root, seed=0, policy=spec, reward=spec))
-    )
-    with build_lock(root):  # the first builder, mid-build
+
+    def second_builder() -> None:
+        built.append(build_tiny_assets(root, seed=0, policy=spec, reward=spec))
+        events.append("second returned")
+
+    second = threading.Thread(target=second_builder)
+    with build_lock(root):  # the first builder: starts the second, then builds
         second.start()
-        second.join(timeout=2.0)
-        assert second.is_alive() and not built  # it waits: nothing half built is read
+        first = _build_tiny_assets(root, seed=0, policy=spec, reward=spec, force=True)
+        weights = (first.policy / "model.safetensors").stat().st_mtime_ns
+        events.append("first released")
     second.join(timeout=120)
-    assert built and built[0].manifest.is_file()
+    # The second returned only after the first let go, and found the folder built: it read the
+    # first's assets and rebuilt nothing.
+    assert events == ["first released", "second returned"]
+    assert built == [first]
+    assert (first.policy / "model.safetensors").stat().st_mtime_ns == weights
