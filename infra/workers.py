@@ -53,6 +53,13 @@ import torch
 
 from infra.colocate import ColocatedGroup, TrainableModel
 from infra.config import OptimConfig, Strategy, TrainConfig
+from infra.engines.probe import (
+    ProbeExpectation,
+    WeightSyncError,
+    probe_ids,
+    probe_max_abs_diff,
+    trainer_probe_logprobs,
+)
 from infra.faults import EXIT_STATUS, WorkerFault
 from infra.kernels import fuse_activations
 from storage import BatchMeta
@@ -148,6 +155,11 @@ class ModelWorker:
         self.turn = threading.RLock()  # held through an awake() block (module docstring)
         self.version = 0
         self.applied: dict[str, Any] = {}  # results of work applied once (see ``once``)
+        # The weight-sync probe (infra.engines.probe): what the trainer expects the rollout
+        # engine to answer after the last sync, checked when the engine next wakes.
+        self.expected_probe: ProbeExpectation | None = None
+        self.sync_stats: dict[str, float] = {}
+        self.corrupt_next_sync = False  # the corrupt_sync fault (infra.faults)
         from storage import open_store
 
         self.store = open_store(spec.store_url)
@@ -155,6 +167,7 @@ class ModelWorker:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
+        self.probe = probe_ids(len(self.tokenizer))
         self.eos_ids = stop_token_ids(self.tokenizer, spec.policy_path)
         self.pad_id = pad_token_id(self.tokenizer)
         for role in spec.roles:
@@ -342,6 +355,7 @@ class ModelWorker:
         it, before replying."""
         if fault.kill_rank == self.spec.rank:
             os._exit(EXIT_STATUS)
+        self.corrupt_next_sync = self.corrupt_next_sync or fault.corrupt_sync
         result = fn(self, *args, **kwargs)
         time.sleep(fault.delay_s)
         return result
@@ -380,6 +394,8 @@ class ModelWorker:
     @contextmanager
     def _turn_awake(self, role: Role) -> Iterator[Sleepable]:
         with self.turn, self.group.awake(role) as model:
+            if role == "rollout" and self.expected_probe is not None:
+                self._check_sync(self.expected_probe)
             yield model
 
     @contextmanager
@@ -419,11 +435,56 @@ class ModelWorker:
             return merged_state_dict(module, full=gather_full)
         return full_state_dict(module)
 
-    def publish_policy(self) -> None:
-        """After an update: a new policy version, and its weights in a colocated rollout engine."""
+    def trainer_probe(self, module: torch.nn.Module) -> torch.Tensor | None:
+        """The trainer's log-probs of the weight-sync probe under ``module`` (the actor, awake;
+        a collective under ``fsdp2``), or None when ``rollout.sync_check`` is off."""
+        if not self.cfg.rollout.sync_check:
+            return None
+        return trainer_probe_logprobs(module, self.probe)
+
+    def publish_policy(self, probe: torch.Tensor | None = None) -> None:
+        """After an update: a new policy version, and its weights in a colocated rollout engine,
+        checked against ``probe`` (``trainer_probe``) when the engine next wakes."""
         self.version += 1
         if "rollout" in self.spec.roles:
-            self.engine.load_weights(self.policy_weights())
+            self._sync_engine(self.policy_weights(), probe)
+
+    def _sync_engine(self, weights: dict[str, torch.Tensor], probe: torch.Tensor | None) -> None:
+        """Load ``weights`` (policy ``self.version``) into the rollout engine; ``probe`` is what
+        the engine must answer to the probe once they are in (checked at its next wake)."""
+        if self.corrupt_next_sync:
+            weights = _perturbed(weights)
+            self.corrupt_next_sync = False
+        start = time.perf_counter()
+        self.engine.load_weights(weights)
+        self.sync_stats["sync/seconds"] = time.perf_counter() - start
+        self.sync_stats["sync/bytes"] = float(sum(t.numel() * t.element_size() for t in weights.values()))
+        self.expected_probe = None if probe is None else ProbeExpectation(self.version, probe)
+
+    def _check_sync(self, expected: ProbeExpectation) -> None:
+        """Score the probe with the (awake) engine and compare with the trainer's; raises
+        ``WeightSyncError`` above ``rollout.sync_tolerance`` (the expectation stays, so a retry
+        fails the same way)."""
+        start = time.perf_counter()
+        diff = probe_max_abs_diff(self.engine.probe_logprobs(self.probe), expected)
+        self.sync_stats["sync/seconds"] = self.sync_stats.get("sync/seconds", 0.0) + (
+            time.perf_counter() - start
+        )
+        self.sync_stats["sync/probe_max_abs_diff"] = diff
+        tolerance = self.cfg.sync_tolerance
+        if not diff <= tolerance:
+            raise WeightSyncError(
+                f"policy version {expected.version}: the rollout engine's log-probs of the "
+                f"weight-sync probe differ from the trainer's by {diff:.4g} (more than "
+                f"rollout.sync_tolerance={tolerance:g}): the engine is not serving the weights "
+                "it was sent"
+            )
+        self.expected_probe = None
+
+    def pop_sync_stats(self) -> dict[str, float]:
+        """``sync/*`` metrics of the last sync and probe check, then reset."""
+        stats, self.sync_stats = self.sync_stats, {}
+        return stats
 
     def ping(self) -> dict[str, Any]:
         return {
@@ -437,22 +498,38 @@ class ModelWorker:
         return self.group.awake_roles()
 
     def timing(self) -> dict[str, float]:
-        """Wake/sleep seconds per role since the last call (``timing_s/wake/<role>`` ...)."""
-        return self.group.pop_stats()
+        """Wake/sleep seconds per role since the last call (``timing_s/wake/<role>`` ...), and
+        the ``sync/*`` metrics of a rollout engine this worker holds."""
+        return {**self.group.pop_stats(), **self.pop_sync_stats()}
 
     # ----------------------------------------------------------------- weights and checkpoints
-    def policy_state(self) -> dict[str, np.ndarray]:
-        """The actor's weights as numpy arrays (zero-copy through Ray) for another pool's engine:
-        rank 0's reply; every training worker takes part in gathering them and the others
-        reply with nothing."""
+    def policy_state(self) -> PolicySnapshot:
+        """The actor's weights as numpy arrays (zero-copy through Ray) for another pool's engine,
+        with the trainer's probe log-probs: rank 0's reply; every training worker takes part in
+        gathering them (and in the probe's forward) and the others reply with nothing."""
         weights = self.policy_weights()
+        with self.awake("actor") as actor:
+            probe = self.trainer_probe(actor.module)
+        if self.corrupt_next_sync:
+            weights = _perturbed(weights)
+            self.corrupt_next_sync = False
         if self.spec.rank != 0:
-            return {}
-        return {k: v.cpu().numpy() for k, v in weights.items()}
+            return PolicySnapshot({}, None)
+        return PolicySnapshot(
+            {k: v.cpu().numpy() for k, v in weights.items()},
+            None if probe is None else probe.numpy(),
+        )
 
-    def load_policy(self, state: dict[str, np.ndarray], version: int) -> None:
-        self.engine.load_weights({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
+    def load_policy(self, snapshot: PolicySnapshot, version: int) -> dict[str, float]:
+        """Load another pool's policy ``version`` into this worker's engine and check it with the
+        probe at once; returns the ``sync/*`` metrics."""
         self.version = version
+        weights = {k: torch.from_numpy(np.array(v)) for k, v in snapshot.weights.items()}
+        probe = None if snapshot.probe is None else torch.from_numpy(snapshot.probe)
+        self._sync_engine(weights, probe)
+        with self.awake("rollout"):
+            pass  # waking checks the probe (``_turn_awake``)
+        return self.pop_sync_stats()
 
     def parameters_digest(self) -> dict[str, float]:
         """Per-tensor sums of the actor's weights, whole (tests compare runs with these; a
@@ -532,13 +609,36 @@ class ModelWorker:
                 load_sharded(src / "dcp" / role, trained.module, trained.optimizer)
                 trained.scheduler.load_state_dict(state[f"{role}_scheduler"])
         if "actor" in self.spec.roles and "rollout" in self.spec.roles:
-            self.engine.load_weights(self.policy_weights())
+            with self.awake("actor") as actor:
+                probe = self.trainer_probe(actor.module)
+            self.version = int(state["version"])
+            self._sync_engine(self.policy_weights(), probe)
         if own.exists():
             torch.set_rng_state(state["rng"]["torch"])
             np.random.set_state(state["rng"]["numpy"])
             random.setstate(state["rng"]["python"])
         self.version = int(state["version"])
         return self.version
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """A policy version on its way to another pool's rollout engine: the weights (HF names) and
+    the trainer's log-probs of the weight-sync probe (None: ``rollout.sync_check`` is off)."""
+
+    weights: dict[str, np.ndarray]
+    probe: np.ndarray | None
+
+
+def _perturbed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` with noise added to a copy of the largest floating tensor (the
+    ``corrupt_sync`` fault: a broken sync the probe must catch)."""
+    name = max(
+        (k for k, v in weights.items() if v.is_floating_point()), key=lambda k: weights[k].numel()
+    )
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randn(weights[name].shape, generator=generator)
+    return {**weights, name: weights[name] + noise.to(weights[name])}
 
 
 # How each role's model is built, one entry per role.

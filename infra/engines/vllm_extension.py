@@ -9,7 +9,10 @@ vLLM asks that ``collective_rpc`` carry control messages, not bulk data, so only
 travels through it. The weights go through a safetensors file that ``write_weights`` writes once
 in the engine's process (under ``/dev/shm`` when it has room, so the file lives in memory) and
 that every worker reads memory-mapped, one tensor at a time. Each worker hands the full tensors
-to its model's ``load_weights``, which keeps the slice of its own tensor-parallel rank.
+to vLLM's in-place reload (the worker's ``reload_weights``: it loads checkpoint-format tensors,
+keeps the slice of its own tensor-parallel rank, and redoes the processing vLLM applies after
+loading, such as the CPU backend's packed GEMM weights); a worker without it hands them to its
+model's ``load_weights``.
 
 Nothing here imports vLLM: the engine's process and the CPU tests import this module without it.
 """
@@ -91,11 +94,11 @@ def _tensors(path: str) -> Iterator[tuple[str, Tensor]]:
 
 
 class WeightSync:
-    """Mixed into vLLM's GPU worker (``worker_extension_cls``); ``self`` is that worker.
+    """Mixed into vLLM's worker (``worker_extension_cls``); ``self`` is that worker.
 
-    Uses one attribute of vLLM's worker: ``self.model_runner.model``, the ``nn.Module`` whose
-    ``load_weights(weights=iterable of (name, tensor))`` loads full HF-named tensors into its
-    (possibly tensor-parallel) parameters.
+    Uses vLLM's worker method ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``
+    where the worker has it, else ``self.model_runner.model.load_weights(weights=...)``: both
+    take full HF-named tensors.
     """
 
     model_runner: Any  # provided by vLLM's worker
@@ -110,5 +113,9 @@ class WeightSync:
                 count += 1
                 yield item
 
-        self.model_runner.model.load_weights(weights=counted())
+        reload = getattr(self, "reload_weights", None)
+        if callable(reload):
+            reload(weights_iterator=counted(), is_checkpoint_format=True)
+        else:
+            self.model_runner.model.load_weights(weights=counted())
         return count

@@ -134,6 +134,8 @@ def _update(
                 cfg=actor,
             )
         )
+        # The new policy's log-probs of the weight-sync probe, for a colocated rollout engine.
+        probe = worker.trainer_probe(model.module) if worker.has("rollout") else None
     if critic is not None:
         with worker.awake("critic") as model:
             metrics.update(
@@ -144,7 +146,7 @@ def _update(
                     cfg=critic,
                 )
             )
-    worker.publish_policy()
+    worker.publish_policy(probe)
     return metrics
 
 
@@ -168,16 +170,19 @@ def combine_worker_metrics(results: list[dict[str, float]]) -> dict[str, float]:
     return {key: combine(key) for key in results[0]}
 
 
-def sync_rollout_weights(ctx: StageContext) -> None:
+def sync_rollout_weights(ctx: StageContext) -> Metrics:
     """Push the actor's weights to a rollout pool that is not the training pool: every training
     worker takes part in gathering them; rank 0's reply carries them, from its worker to the
-    rollout workers without passing through this process."""
+    rollout workers without passing through this process. Each rollout worker checks them with
+    the weight-sync probe at once; returns the ``sync/*`` metrics (the slowest worker's time,
+    the largest probe difference)."""
     if ctx.rt.rollout_group is ctx.rt.train_group:
-        return
+        return {}
     version = ctx.rt.train_group.call(ModelWorker.ping)[0]["version"]
-    ctx.rt.train_group.relay(
+    replies = ctx.rt.train_group.relay(
         ModelWorker.policy_state, ctx.rt.rollout_group, ModelWorker.load_policy, version
     )
+    return {key: max(r[key] for r in replies) for key in replies[0]} if replies else {}
 
 
 @task(name="update", cache_policy=NO_CACHE, task_run_name="update[step={step}]")
@@ -195,5 +200,5 @@ def update(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
         critic=critic_settings(ctx.cfg, world) if ctx.plan.critic else None,
     )
     # 2. Weight sync; the metrics: losses summed over the workers' shares, the rest averaged.
-    sync_rollout_weights(ctx)
-    return StageResult(meta, combine_worker_metrics(results))
+    synced = sync_rollout_weights(ctx)
+    return StageResult(meta, {**combine_worker_metrics(results), **synced})
