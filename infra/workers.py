@@ -183,6 +183,11 @@ class ModelWorker:
         for role in roles:
             BUILDERS[role](self)
             self.group.put_all_to_sleep()  # models load awake; each waits asleep for its turn
+        if "actor" in roles and "rollout" in self.spec.roles:
+            # The engine and the trainer loaded the same folder: the first wake checks that too.
+            with self.awake("actor") as actor:
+                probe = self.trainer_probe(actor.module)
+            self.expected_probe = None if probe is None else ProbeExpectation(0, probe)
 
     # ----------------------------------------------------------------- building roles
     def rendezvous_address(self) -> str:
@@ -458,7 +463,9 @@ class ModelWorker:
         start = time.perf_counter()
         self.engine.load_weights(weights)
         self.sync_stats["sync/seconds"] = time.perf_counter() - start
-        self.sync_stats["sync/bytes"] = float(sum(t.numel() * t.element_size() for t in weights.values()))
+        self.sync_stats["sync/bytes"] = float(
+            sum(t.numel() * t.element_size() for t in weights.values())
+        )
         self.expected_probe = None if probe is None else ProbeExpectation(self.version, probe)
 
     def _check_sync(self, expected: ProbeExpectation) -> None:

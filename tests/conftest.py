@@ -52,6 +52,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def require_vllm() -> None:
+    """vLLM must be importable: skipped without it, failed without it under
+    ``PPOFLOW_REQUIRE_VLLM=1`` (the vLLM tier of `make test-vllm` and CI)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    message = "vLLM is not installed (make venv-vllm installs its CPU build)"
+    if os.environ.get("PPOFLOW_REQUIRE_VLLM") == "1":
+        pytest.fail(message + "; PPOFLOW_REQUIRE_VLLM=1 asks for it")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
 def session_tmp() -> Path:
     return _SESSION_TMP
 

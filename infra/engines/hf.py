@@ -108,7 +108,7 @@ class TransformersEngine:
         """``log p(ids[t] | ids[:t])`` for t = 1 .. L-1 at temperature 1, float32 on the CPU
         (the weight-sync probe, ``infra.engines.probe``)."""
         self._residency.require_awake("TransformersEngine.probe_logprobs()")
-        logits = self.model(input_ids=ids[None].to(self._device)).logits[0, :-1].float()  # (L-1, V)
+        logits: Tensor = self.model(input_ids=ids[None].to(self._device)).logits[0, :-1].float()
         picked = logits.log_softmax(-1).gather(-1, ids[1:, None].to(self._device))[:, 0]
         return picked.cpu()  # (L-1,)
 

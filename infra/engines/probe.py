@@ -73,7 +73,7 @@ def trainer_probe_logprobs(module: nn.Module, ids: Tensor) -> Tensor:
     """``log p(ids[t] | ids[:t])`` for t = 1 .. L-1 under ``module`` (a causal LM as the
     trainer holds it: sharded, LoRA-wrapped or autocast), float32 on the CPU."""
     device = next(module.parameters()).device
-    logits = module(input_ids=ids[None].to(device)).logits[0, :-1].float()  # (L-1, V)
+    logits: Tensor = module(input_ids=ids[None].to(device)).logits[0, :-1].float()  # (L-1, V)
     logprobs = logits.log_softmax(-1).gather(-1, ids[1:, None].to(device))[:, 0]  # (L-1,)
     return logprobs.cpu()
 

@@ -276,7 +276,9 @@ class VLLMEngine:
         """``log p(ids[t] | ids[:t])`` for t = 1 .. L-1 from vLLM's prompt log-probs (raw logits,
         temperature 1), float32 on the CPU: the engine's side of the weight-sync probe."""
         if not self._awake:
-            raise EngineAsleepError("VLLMEngine.probe_logprobs() while asleep: call wake_up() first")
+            raise EngineAsleepError(
+                "VLLMEngine.probe_logprobs() while asleep: call wake_up() first"
+            )
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -67,6 +67,10 @@ def test_tiny_sync_run_records_every_stage_of_every_step(
     ):
         assert all(key in r for r in rows), key
     assert "eval/rule_accuracy" in rows[0] and "eval/rule_accuracy" in rows[-1]
+    # The weight-sync probe ran at every step's first wake of the engine: the transformers
+    # engine holds exactly the trainer's float32 weights.
+    assert [r["sync/probe_max_abs_diff"] for r in rows] == [0.0, 0.0, 0.0]
+    assert all(r["sync/bytes"] > 0 for r in rows)
     assert summary["checkpoint"] and Path(summary["checkpoint"], "state.json").exists()
     assert Path(summary["plot"]).stat().st_size > 0
     names = _task_run_names(flow_run_id, {f"{s}[step={k}]" for s in STAGES for k in range(3)})
@@ -96,6 +100,22 @@ def test_modes_and_estimators_complete(prefect_harness, ray_local, tiny_override
         assert staleness == [0.0, 1.0, 0.0]  # steps 0 and 1 generated together, then step 2
     if cfg.algorithm.use_critic:
         assert all("critic/vf_loss" in r for r in rows)
+
+
+def test_a_broken_weight_sync_fails_the_next_generate_with_weight_sync_error(
+    prefect_harness, ray_local, tiny_overrides
+) -> None:
+    from flows.train import ppo_train
+    from infra.engines.probe import WeightSyncError
+
+    fault = "faults=[{stage: update, step: 1, action: corrupt_sync}]"
+    cfg = load_config(CONFIGS / "tiny.yaml", [*tiny_overrides, fault])
+    state = ppo_train(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(WeightSyncError, match=r"policy version 2: .* differ from the trainer's"):
+        state.result()
+    rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]  # step 2 generated nothing
 
 
 def test_resume_auto_continues_after_the_last_checkpoint(

