@@ -68,6 +68,24 @@ def _final_weights(run_dir: Path, steps: int = STEPS) -> dict[str, torch.Tensor]
     )
 
 
+def kill_once_logged(command: list[str], tmp: Path, metrics: Path, *, steps: int) -> None:
+    """Start ``command`` in a session of its own, SIGKILL its process group once ``metrics``
+    holds ``steps`` lines (the next step is then in flight), and every process under ``tmp``."""
+    proc = subprocess.Popen(
+        command, env=_env(tmp), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    _kill_everything_under(tmp)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference: the run of ``STEPS`` steps, uninterrupted (its run directory)."""
@@ -99,20 +117,7 @@ def test_sigkill_mid_iteration_then_resume_matches_an_uninterrupted_run(
     tmp = private_tmp
     # 1. The run, killed with SIGKILL once three steps are logged (step 3 is then in flight).
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(
-        _command(assets, run_dir), env=_env(tmp), start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    _kill_everything_under(tmp)
+    kill_once_logged(_command(assets, run_dir), tmp, run_dir / "metrics.jsonl", steps=3)
     assert not (run_dir / "checkpoints" / f"step-{STEPS - 1:06d}").exists()
     # 2. Resume (trainer.resume=auto is the default) and compare the final weights.
     done = subprocess.run(

@@ -7,17 +7,14 @@ Marked ``vllm``: `make test-vllm` runs them (see ``tests/infra/test_vllm_engine.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_kill_resume import _env, _kill_everything_under  # noqa: E402
+from test_kill_resume import _env, _kill_everything_under, kill_once_logged  # noqa: E402
 
 from infra.config import load_config  # noqa: E402
 from infra.engines.probe import WeightSyncError  # noqa: E402
@@ -105,20 +102,7 @@ def test_sigkill_then_resume_with_vllm_ends_with_the_uninterrupted_weights(
         assert done.returncode == 0, done.stderr[-3000:]
         _kill_everything_under(tmp)
         run_dir = tmp_path / "killed"
-        proc = subprocess.Popen(
-            _command(assets, run_dir), env=_env(tmp), start_new_session=True,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        _kill_everything_under(tmp)
+        kill_once_logged(_command(assets, run_dir), tmp, run_dir / "metrics.jsonl", steps=2)
         done = subprocess.run(
             _command(assets, run_dir), env=_env(tmp), timeout=600, capture_output=True, text=True
         )
