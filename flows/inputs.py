@@ -51,10 +51,18 @@ def _check_folder(setting: str, path: Path | None) -> None:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """Every path a setting names exists, every reward function and tool loads, and the judge's
-    template renders and its parse function loads."""
+    """Every path a setting names exists, every reward function and tool loads, the judge's
+    template renders and its parse function loads, and vLLM is installed where a setting asks
+    for it."""
+    from infra.engines import is_vllm_available
+    from infra.engines.vllm_engine import MISSING
     from infra.reward_functions import check_reward_functions
     from infra.tools import check_tools
+
+    judge_engine = cfg.reward.judge.engine if cfg.reward.judge is not None else "hf"
+    if "vllm" in (cfg.rollout.engine, judge_engine) and not is_vllm_available():
+        setting = "rollout.engine" if cfg.rollout.engine == "vllm" else "reward.judge.engine"
+        raise InputError(MISSING.replace("rollout.engine", setting))
 
     m = cfg.models
     for setting in ("policy", "tokenizer", "reference", "critic", "judge"):

@@ -312,6 +312,14 @@ class JudgeConfig(_Section):
     weight: float = Field(1.0, description="Weight of the judge's score in `scores`.")
     max_new_tokens: int = Field(64, ge=1, description="Longest verdict, in judge tokens.")
     temperature: float = Field(0.0, ge=0, description="Verdict sampling temperature (0 = greedy).")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description=(
+            "The judge's generation engine: transformers (hf) or vLLM (vllm; installed as for "
+            "rollout.engine=vllm, with the rollout's memory settings: rollout.cpu_kv_cache_gib "
+            "on the CPU, rollout.gpu_memory_utilization on CUDA)."
+        ),
+    )
     on_parse_error: float = Field(
         0.0, description="The judge's score for a verdict the parser returns None for."
     )

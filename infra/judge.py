@@ -9,9 +9,10 @@ The judge's prompt for one sample is rendered in two steps:
    ``response`` (the decoded response, special tokens skipped), ``ground_truth`` and
    ``data_source``. An undefined variable is an error (``StrictUndefined``).
 2. the judge tokenizer's own chat template renders ``[{"role": "user", "content": text}]`` with
-   the generation prompt, and those ids go to ppoflow's transformers engine
-   (``infra.engines.hf``): at most ``reward.judge.max_new_tokens`` tokens, greedy at
-   ``reward.judge.temperature`` 0. The verdict is the generated text, special tokens skipped.
+   the generation prompt, and those ids go to a rollout-style engine (``reward.judge.engine``:
+   ppoflow's transformers engine, ``infra.engines.hf``, or vLLM): at most
+   ``reward.judge.max_new_tokens`` tokens, greedy at ``reward.judge.temperature`` 0. The verdict
+   is the generated text, special tokens skipped.
 
 ``Judge`` holds the model on a worker (``Sleepable``: it takes turns with the other models of
 the pool). The flow process parses the verdicts with ``reward.judge.parse``: a function
@@ -30,7 +31,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -286,8 +287,9 @@ class JudgeInput:
 
 class Judge:
     """The judge model on one worker: its own tokenizer (from ``model_path``), the rendered
-    template and a ``TransformersEngine``; ``Sleepable`` like the rollout engine. Verdicts are
-    generated in batches of ``batch_size`` prompts."""
+    template and a generation engine of kind ``engine`` (``infra.engines.make_engine``, with
+    ``engine_options``); ``Sleepable`` like the rollout engine. Verdicts are generated in
+    batches of ``batch_size`` prompts."""
 
     def __init__(
         self,
@@ -299,11 +301,13 @@ class Judge:
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         batch_size: int = 64,
+        engine: Literal["hf", "vllm"] = "hf",
+        engine_options: dict[str, Any] | None = None,
     ) -> None:
         import torch
         from transformers import AutoTokenizer
 
-        from infra.engines.hf import TransformersEngine
+        from infra.engines import make_engine
         from infra.workers import pad_token_id, stop_token_ids
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -311,12 +315,14 @@ class Judge:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.batch_size = batch_size
-        self.engine = TransformersEngine(
+        self.engine = make_engine(
+            engine,
             model_path,
-            device=device,
+            device=str(device),
             dtype=dtype or torch.float32,
             eos_token_id=stop_token_ids(self.tokenizer, str(model_path)),
             pad_token_id=pad_token_id(self.tokenizer),
+            **(engine_options or {}),
         )
 
     @property

@@ -246,6 +246,7 @@ class ModelWorker:
         self.group.register("reward", self.scorer)
 
     def _build_judge(self) -> None:
+        from infra.engines import vllm_options
         from infra.judge import Judge
 
         judge = self.cfg.reward.judge
@@ -259,6 +260,13 @@ class ModelWorker:
             max_new_tokens=judge.max_new_tokens,
             temperature=judge.temperature,
             batch_size=self.cfg.reward.batch_size,
+            engine=judge.engine,
+            # vLLM: the rollout's memory settings, one rank, the judge model's own length limit.
+            engine_options=(
+                {**vllm_options(self.cfg.rollout), "tensor_parallel_size": 1, "max_model_len": None}
+                if judge.engine == "vllm"
+                else {}
+            ),
         )
         self.group.register("judge", self.judge)
 

@@ -98,13 +98,14 @@ def write_tools(root: Path) -> Path:
     return path
 
 
-def save_agent_policy(out: Path, *, seed: int = 0) -> Path:
-    """A tiny Qwen2ForCausalLM with the Hermes tokenizer, saved to ``out``."""
+def save_agent_policy(out: Path, *, seed: int = 0, hidden_size: int = 32) -> Path:
+    """A tiny Qwen2ForCausalLM with the Hermes tokenizer, saved to ``out`` (two heads of
+    ``hidden_size / 2``: vLLM's CPU attention wants 32 or more)."""
     tok = build_hermes_tokenizer()
     eos, pad = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = Qwen2Config(
         vocab_size=len(tok),
-        hidden_size=32,
+        hidden_size=hidden_size,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,

@@ -30,6 +30,7 @@ __all__ = [
     "Sleepable",
     "VLLMUnavailableError",
     "engine_options",
+    "vllm_options",
     "is_vllm_available",
     "make_engine",
 ]
@@ -41,8 +42,12 @@ def engine_options(rollout: RolloutConfig) -> dict[str, Any]:
     """The keywords ``rollout`` (a run's ``rollout`` section) adds to ``make_engine`` for its
     engine kind: for vLLM ``gpu_memory_utilization`` (CUDA), ``cpu_kv_cache_gib`` (CPU),
     ``tensor_parallel_size`` and ``max_model_len``; nothing for the transformers engine."""
-    if rollout.engine != "vllm":
-        return {}
+    return vllm_options(rollout) if rollout.engine == "vllm" else {}
+
+
+def vllm_options(rollout: RolloutConfig) -> dict[str, Any]:
+    """vLLM's keywords from a run's ``rollout`` section (also what a vLLM judge takes, with one
+    rank and its own length limit)."""
     return {
         "gpu_memory_utilization": rollout.gpu_memory_utilization,
         "cpu_kv_cache_gib": rollout.cpu_kv_cache_gib,

@@ -45,6 +45,24 @@ def prefect_api(prefect_server: LocalServer) -> Iterator[LocalServer]:
         yield prefect_server
 
 
+@pytest.fixture(scope="module")
+def judge_overrides(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """``models.judge`` and ``reward.judge`` for the tiny judge (tests/judge_assets.py), its
+    template in a file."""
+    from judge_assets import PROMPT_TEMPLATE, build_tiny_judge
+
+    root = tmp_path_factory.mktemp("judge")
+    template = root / "judge.jinja"
+    template.write_text(PROMPT_TEMPLATE)
+    return [
+        f"models.judge={build_tiny_judge(root / 'judge')}",
+        f"reward.judge.template={template}",
+        "reward.judge.parse={name: yes_no}",
+        "reward.judge.weight=0.5",
+        "reward.judge.max_new_tokens=8",
+    ]
+
+
 # ---------------------------------------------------------------------- deployments and runs
 @pytest.fixture(scope="session")
 def deployed(prefect_server: LocalServer) -> dict[str, UUID]:

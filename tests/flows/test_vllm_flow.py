@@ -1,5 +1,6 @@
-"""The training flow with ``rollout.engine=vllm`` (the real CPU build): every mode, the
-weight-sync probe catching a broken sync, and a SIGKILL + resume ending with the same weights.
+"""The training flow with ``rollout.engine=vllm`` (the real CPU build): every mode, dynamic
+sampling's refill rounds, a vLLM judge, the weight-sync probe catching a broken sync, and a
+SIGKILL + resume ending with the same weights.
 
 Marked ``vllm``: `make test-vllm` runs them (see ``tests/infra/test_vllm_engine.py``).
 """
@@ -14,6 +15,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_filter_groups import _check_steps  # noqa: E402
+from test_filter_groups import _run as _run_filtered  # noqa: E402
+from test_judge import _assert_judged  # noqa: E402
 from test_kill_resume import _env, _kill_everything_under, kill_once_logged  # noqa: E402
 
 from infra.config import load_config  # noqa: E402
@@ -53,6 +57,27 @@ def test_a_tiny_run_with_vllm_completes_and_every_sync_passes_the_probe(
     assert len(checked) >= 2, rows  # the weights of at least two versions were probed
     assert max(checked) <= cfg.sync_tolerance
     assert all(r["sync/bytes"] > 0 and r["sync/seconds"] > 0 for r in rows)
+
+
+def test_dynamic_sampling_refills_through_vllm(
+    require_vllm, prefect_harness, ray_local, tiny_overrides, tmp_path
+) -> None:
+    cfg, run_dir, rows, _ = _run_filtered([*tiny_overrides, *VLLM], tmp_path)
+    _check_steps(cfg, run_dir, rows)
+
+
+def test_a_vllm_judge_scores_beside_the_vllm_rollout(
+    require_vllm, prefect_harness, ray_local, tiny_overrides, judge_overrides
+) -> None:
+    from flows.train import ppo_train
+
+    extra = ("reward.judge.engine=vllm", "trainer.total_steps=2")
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml", [*tiny_overrides, *VLLM, *judge_overrides, *extra]
+    )
+    state = ppo_train(cfg, return_state=True)
+    assert state.is_completed(), state.message
+    _assert_judged(_rows(cfg.resolved_run_dir), 2)  # the judge's vLLM engine answered "yes"
 
 
 def test_a_broken_sync_fails_the_step_with_weight_sync_error(
