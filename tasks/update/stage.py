@@ -135,7 +135,7 @@ def _update(
             )
         )
         # The new policy's log-probs of the weight-sync probe, for a colocated rollout engine.
-        probe = worker.trainer_probe(model.module) if worker.has("rollout") else None
+        probe = worker.trainer_probe(model.module)
     if critic is not None:
         with worker.awake("critic") as model:
             metrics.update(

@@ -63,7 +63,10 @@ class StandInWorker:
         assert role == "actor"
         yield self.actor
 
-    def publish_policy(self) -> None:
+    def trainer_probe(self, module: nn.Module) -> None:
+        return None  # no rollout engine to check
+
+    def publish_policy(self, probe: torch.Tensor | None = None) -> None:
         pass
 
 
