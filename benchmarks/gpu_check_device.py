@@ -1,4 +1,4 @@
-"""GPU check of ppoflow's compute stages on one CUDA device, without Ray, Prefect or vLLM.
+"""GPU check of ppoflow's compute stages on one CUDA device, without Ray or Prefect.
 
 Everything runs in this process through ``infra.workers.ModelWorker`` with an in-process
 ``memory://`` store (as ``benchmarks/gpu_check_scale.py``'s ``child_part`` does). The stage
@@ -31,6 +31,12 @@ Parts (each guarded: a failing part records its error and the others still run):
    (tolerances in ``FSDP_RTOL``).
 5. ``lora``: ``actor.lora`` (rank 8, all linear layers, ``infra.lora.apply_lora``): one update;
    trainable parameters and peak memory against full fine-tuning on the same batch.
+6. ``vllm`` (where vLLM is installed; else recorded as skipped): the vLLM rollout engine
+   (``rollout.engine=vllm``) in a ``ModelWorker`` beside the actor, on the device: the
+   weight-sync probe against the trainer (``sync/probe_max_abs_diff``, float32 and bfloat16),
+   sleep/wake, a sync of updated weights that must pass the probe, a perturbed sync that must
+   fail it (``WeightSyncError``), greedy agreement with the transformers engine, and the
+   engine–trainer gap of bfloat16 samples (``rollout_corr/*``) as in part 1.
 
 Run on the device machine from the repository root (it has torch, transformers, peft, pyarrow
 and pytest; what else ppoflow's imported modules need — pydantic, pydantic-core,
@@ -134,8 +140,8 @@ CPU = Scale(
         ("hidden_size", 64),
         ("intermediate_size", 128),
         ("num_hidden_layers", 2),
-        ("num_attention_heads", 4),
-        ("num_key_value_heads", 2),
+        ("num_attention_heads", 2),  # head dim 32: vLLM's CPU attention has no kernel for 16
+        ("num_key_value_heads", 1),
     ),
     tiny_hidden=64,
     tiny_layers=2,
@@ -612,12 +618,100 @@ def part_lora(scale: Scale, root: Path) -> dict[str, Any]:
     return result
 
 
+def part_vllm(scale: Scale, root: Path) -> dict[str, Any]:
+    """6. The vLLM engine beside the trainer: probe, sleep/wake, sync, broken sync, greedy."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vLLM is not installed (make venv-vllm, or the vllm extra on CUDA)"}
+    from infra.engines.probe import WeightSyncError
+    from tasks.batching import pack_batch
+    from tasks.update.correction import rollout_correction, rollout_gap
+
+    policy = qwen_path(root, scale)
+    rows = scale.prompts * scale.samples_per_prompt
+    out: dict[str, Any] = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = make_config(scale, dtype, rows, "rollout.engine=vllm", "rollout.cpu_kv_cache_gib=1")
+        worker = make_worker(cfg, ("rollout", "actor"), policy)
+        prompts, _ = chat_prompts(worker.tokenizer, scale.prompts)
+        with worker.awake("rollout") as engine:  # the first wake checks the loaded weights
+            greedy = engine.generate(prompts, n=1, max_new_tokens=16, temperature=0.0, seed=0)
+            sampled = engine.generate(
+                prompts, n=scale.samples_per_prompt, max_new_tokens=scale.max_new_tokens, seed=1
+            )
+        first = worker.pop_sync_stats()
+        with worker.awake("actor") as actor:  # a visible change: one optimizer-free nudge
+            with torch.no_grad():
+                for param in actor.module.parameters():
+                    param.mul_(1.01)
+            probe = worker.trainer_probe(actor.module)
+        worker.publish_policy(probe)
+        with worker.awake("rollout"):
+            pass
+        synced = worker.pop_sync_stats()
+        worker.corrupt_next_sync = True
+        worker.publish_policy(probe)
+        try:
+            with worker.awake("rollout"):
+                pass
+            caught = None
+        except WeightSyncError as error:
+            caught = str(error)
+        batch = pack_batch(
+            prompt_ids=[p for p in prompts for _ in range(scale.samples_per_prompt)],
+            response_ids=sampled.response_ids,
+            pad_id=worker.pad_id,
+        )
+        release(worker)
+        trainer = make_worker(make_config(scale, "float32", rows), ("actor",), policy)
+        old = trainer_logprobs(trainer, batch)  # (B, T)
+        settings = actor_settings(trainer.cfg)
+        release(trainer)
+        behaviour = padded(sampled.rollout_logprobs, batch.response_mask.shape[1])  # (B, T)
+        correction = rollout_correction(
+            old_logprobs=old,
+            rollout_logprobs=behaviour,
+            response_mask=batch.response_mask,
+            mode=actor_settings(cfg).rollout_correction,
+            cap=settings.correction_cap,
+            low=settings.correction_low,
+            high=settings.correction_high,
+        )
+        gap = rollout_gap(
+            old_logprobs=old,
+            rollout_logprobs=behaviour,
+            response_mask=batch.response_mask,
+            correction=correction,
+        )
+        hf_cfg = make_config(scale, dtype, rows)
+        hf = make_worker(hf_cfg, ("rollout",), policy)
+        with hf.awake("rollout") as engine:
+            reference = engine.generate(prompts, n=1, max_new_tokens=16, temperature=0.0, seed=0)
+        release(hf)
+        agree = [
+            a.tolist() == b.tolist() for a, b in zip(greedy.response_ids, reference.response_ids)
+        ]
+        out[dtype] = {
+            "initial_probe_max_abs_diff": first.get("sync/probe_max_abs_diff"),
+            "synced_probe_max_abs_diff": synced.get("sync/probe_max_abs_diff"),
+            "sync_seconds": synced.get("sync/seconds"),
+            "sync_bytes": synced.get("sync/bytes"),
+            "tolerance": cfg.sync_tolerance,
+            "broken_sync_caught": caught,
+            "greedy_agreement_with_hf": sum(agree) / len(agree),
+            "gap_vs_float32_trainer": gap.metrics(),
+        }
+    return out
+
+
 PARTS: dict[str, Callable[[Scale, Path], dict[str, Any]]] = {
     "rollout_gap": part_rollout_gap,
     "colocation": part_colocation,
     "throughput": part_throughput,
     "fsdp2": part_fsdp2,
     "lora": part_lora,
+    "vllm": part_vllm,
 }
 
 
@@ -657,6 +751,16 @@ def headline(name: str, r: dict[str, Any]) -> str:
                 for d in FSDP_RTOL
             )
             + f" over {r['backend']}"
+        )
+    if name == "vllm":
+        if "skipped" in r:
+            return f"skipped: {r['skipped']}"
+        return "; ".join(
+            f"{d}: probe {f(v['synced_probe_max_abs_diff'])} (tol {f(v['tolerance'])}), broken "
+            f"sync {'caught' if v['broken_sync_caught'] else 'MISSED'}, greedy = hf "
+            f"{v['greedy_agreement_with_hf']:.2f}, kl_k3 {f(v['gap_vs_float32_trainer']['rollout_corr/kl_k3'])}"
+            for d, v in r.items()
+            if isinstance(v, dict)
         )
     if name == "lora":
         return (

@@ -108,6 +108,7 @@ from pipeline_parts.settings import (
     SOLO,
     SPEEDUP_TARGET,
     VARIANTS,
+    VLLM_SOLO,
 )
 from pipeline_parts.workload import (
     MODES,
@@ -145,7 +146,8 @@ def main() -> None:
     parser.add_argument(
         "--wait-max-min", type=float, default=40.0, help="give up waiting after this many minutes"
     )
-    parser.add_argument("--child", choices=(*VARIANTS, *SOLO), help=argparse.SUPPRESS)
+    parser.add_argument("--skip-vllm", action="store_true", help="grpo-varlen: no vLLM rows")
+    parser.add_argument("--child", choices=(*VARIANTS, *SOLO, *VLLM_SOLO), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--baton", help=argparse.SUPPRESS)
@@ -167,32 +169,53 @@ def main() -> None:
 
 def run_varlen(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The variable-length mode: each run alone (ppoflow's sync flow with every worker at
-    ``--machine-threads``, ppoflow's ``separate_async`` flow at one thread per process, TRL at
-    ``--machine-threads`` and at ``--threads``), ``--rounds`` times, the order reversed in
-    every second round; the best of each side compared on tokens/s."""
-    peer = PEERS[mode]
+    ``--machine-threads``, ppoflow's ``separate_async`` flow at one thread per process, each
+    with the transformers engine and, where vLLM is installed, with vLLM; TRL at
+    ``--machine-threads`` and at ``--threads``, and TRL with vLLM at ``--machine-threads``),
+    ``--rounds`` times, the order reversed in every second round; the best of ppoflow compared
+    on tokens/s with the best TRL with transformers and the best TRL with vLLM."""
+    import importlib.util
+
+    peer, vllm_peer = PEERS[mode], PEERS[f"{mode}-vllm"]
+    with_vllm = not args.skip_vllm and importlib.util.find_spec("vllm") is not None
     python, detail = (None, "skipped (--skip-peers)") if args.skip_peers else ensure_venv(peer)
+    vllm_python, vllm_detail = (
+        (None, "skipped (--skip-peers or --skip-vllm, or no vLLM here)")
+        if args.skip_peers or not with_vllm
+        else ensure_venv(vllm_peer)
+    )
     whole = args.machine_threads or (os.cpu_count() or 1)
-    raw: dict[str, list[dict[str, Any]]] = {name: [] for name in (*SOLO, "trl@all", "trl")}
-    systems = ("trl@all", *SOLO, "trl")
+    ours_names = (*SOLO, *(VLLM_SOLO if with_vllm else ()))
+    theirs_names = ("trl@all", "trl", "trl-vllm@all")
+    raw: dict[str, list[dict[str, Any]]] = {name: [] for name in (*ours_names, *theirs_names)}
+    systems = ("trl@all", "trl-vllm@all", *ours_names, "trl")
     for index in range(args.rounds):
         for system in systems[:: 1 if index % 2 == 0 else -1]:
             print(f"  {mode} round {index + 1}/{args.rounds}: {system} ...", flush=True)
             tag = f"r{index}"
-            if system in SOLO:
-                threads = whole if system == "flow@all" else 1
+            threads = whole if system.endswith("@all") else 1
+            if system in ours_names:
                 raw[system].append(run_solo(system, mode, args, work, tag, threads))
-            elif python is None:
-                raw[system].append({"ok": False, "reason": detail})
-            else:
-                threads = whole if system == "trl@all" else args.threads
-                raw[system].append(run_peer(peer, python, args, work, tag, threads))
-    ours = {name: summarise_varlen(raw[name], system=name) for name in SOLO}
+                continue
+            uses_vllm = "vllm" in system
+            chosen = vllm_peer if uses_vllm else peer
+            runner = vllm_python if uses_vllm else python
+            if runner is None:
+                raw[system].append({"ok": False, "reason": vllm_detail if uses_vllm else detail})
+                continue
+            threads = threads if system.endswith("@all") else args.threads
+            raw[system].append(run_peer(chosen, runner, args, work, tag, threads))
+    ours = {name: summarise_varlen(raw[name], system=name) for name in ours_names}
     theirs = {
-        name: {**summarise_varlen(raw[name], system="trl"), "detail": detail}
-        for name in ("trl@all", "trl")
+        name: {
+            **summarise_varlen(raw[name], system="trl"),
+            "detail": vllm_detail if "vllm" in name else detail,
+        }
+        for name in theirs_names
     }
-    best_ours, best_trl = best(ours), best(theirs)
+    best_ours = best(ours)
+    best_trl = best({k: v for k, v in theirs.items() if "vllm" not in k})
+    best_trl_vllm = best({k: v for k, v in theirs.items() if "vllm" in k})
     return {
         "trl_name": f"trl {peer.requirement.split('==')[1]}",
         "machine": {
@@ -202,7 +225,9 @@ def run_varlen(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             "trl": theirs,
             "best_ppoflow": best_ours[0],
             "best_trl": best_trl[0],
+            "best_trl_vllm": best_trl_vllm[0],
             "vs_trl": compare(best_ours[1], best_trl[1]),
+            "vs_trl_vllm": compare(best_ours[1], best_trl_vllm[1]),
         },
     }
 

