@@ -15,6 +15,7 @@ venv: $(STAMP)
 # torch==2.13.0 first keeps the CPU build; the rest resolves against it, pinned to the tested
 # set of .ci/constraints.txt (pyproject.toml keeps ranges; .ci/lower-bounds tests their floors).
 $(STAMP): pyproject.toml .ci/constraints.txt
+	@python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ppoflow needs Python >= 3.11; python3 is " + sys.version.split()[0])'
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 numpy -c .ci/constraints.txt
@@ -30,6 +31,7 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 venv-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml .ci/constraints-vllm.txt
+	@python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ppoflow needs Python >= 3.11; python3 is " + sys.version.split()[0])'
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 numpy -c .ci/constraints-vllm.txt
