@@ -94,6 +94,7 @@ from pipeline_parts.ppoflow_runs import child_main, run_ppoflow, run_solo
 from pipeline_parts.report import (
     METHOD,
     VARLEN_METHOD,
+    VARLEN_TARGETS,
     best,
     compare,
     overhead,
@@ -226,8 +227,8 @@ def run_varlen(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any
             "best_ppoflow": best_ours[0],
             "best_trl": best_trl[0],
             "best_trl_vllm": best_trl_vllm[0],
-            "vs_trl": compare(best_ours[1], best_trl[1]),
-            "vs_trl_vllm": compare(best_ours[1], best_trl_vllm[1]),
+            "vs_trl": compare(best_ours[1], best_trl[1], VARLEN_TARGETS["vs_trl"]),
+            "vs_trl_vllm": compare(best_ours[1], best_trl_vllm[1], VARLEN_TARGETS["vs_trl_vllm"]),
         },
     }
 

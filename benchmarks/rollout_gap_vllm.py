@@ -54,8 +54,9 @@ def run_one(args: argparse.Namespace, seed: int, dtype: str, mode: str, fix: str
     """One RL run from the seed's warm start; its final accuracy and mean gap metrics."""
     name = f"gap-{seed}-{dtype}-{mode}-{fix}"
     run_dir = ROOT / "runs" / "rollout-gap" / name
-    if not (run_dir / "warmstart" / "report.json").exists():
-        shutil.copytree(Path(args.warm_from.format(seed=seed)), run_dir / "warmstart")
+    if run_dir.exists():  # a run of its own: an earlier one's steps are not resumed
+        shutil.rmtree(run_dir)
+    shutil.copytree(Path(args.warm_from.format(seed=seed)), run_dir / "warmstart")
     cmd = [
         sys.executable, "-m", "flows.cli", "train", f"seed={seed}", f"run_dir={run_dir}",
         "rollout.engine=vllm", f"models.dtype={dtype}", f"resources.mode={mode}",
@@ -71,6 +72,8 @@ def run_one(args: argparse.Namespace, seed: int, dtype: str, mode: str, fix: str
         return {"ok": False, "error": done.stderr.strip().splitlines()[-1:], "wall_s": wall}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/rule_accuracy" in r]
+    if not evals:
+        return {"ok": False, "error": ["no eval/rule_accuracy logged"], "wall_s": wall}
     gap = {
         key: statistics.fmean(r[key] for r in rows if key in r)
         for key in GAP_KEYS

@@ -75,8 +75,10 @@ def retry_options(cfg: TrainConfig) -> RetryOptions:
 
 def retryable(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
     """Retry a failed stage unless its error would repeat: a reward function that raised or
-    returned a bad value, a non-finite reward-model score; a dead worker or a lost store shard
+    returned a bad value, a non-finite reward-model score, a rollout engine that failed the
+    weight-sync probe (a retry could sync again and hide it); a dead worker or a lost store shard
     is for the loop's restart (timeouts retry)."""
+    from infra.engines.probe import WeightSyncError
     from infra.reward_functions import RewardFunctionError
 
     try:
@@ -84,6 +86,8 @@ def retryable(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> boo
     except RewardFunctionError as exc:
         return exc.kind in ("timeout", "died")
     except (NonFiniteScoreError, WorkerDied, ShardLost):  # the loop restarts for these
+        return False
+    except WeightSyncError:
         return False
     except BaseException:  # noqa: BLE001 - anything else may be transient
         return True

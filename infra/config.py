@@ -203,8 +203,9 @@ class RolloutConfig(_Section):
         True,
         description=(
             "After every weight sync the engine scores a fixed probe sequence and its log-probs "
-            "are compared with the trainer's; a difference above sync_tolerance fails the step "
-            "(WeightSyncError) before the engine samples with those weights."
+            "are compared with the trainer's (at the engine's next wake, before it samples with "
+            "those weights); a difference above sync_tolerance fails that stage with "
+            "WeightSyncError, which is never retried."
         ),
     )
     sync_tolerance: float | None = Field(
@@ -212,7 +213,7 @@ class RolloutConfig(_Section):
         gt=0,
         description=(
             "Largest accepted |engine - trainer| probe log-prob difference (null: by "
-            "models.dtype: float32 1e-3, float16 0.05, bfloat16 0.1)."
+            "models.dtype: float32 1e-3, float16 0.1, bfloat16 0.25)."
         ),
     )
     tensor_parallel_size: int = Field(
@@ -724,9 +725,10 @@ class FaultConfig(_Section):
     def _delay_has_seconds(self) -> FaultConfig:
         if self.action == "delay" and self.seconds <= 0:
             raise ValueError("a delay fault needs seconds > 0")
-        if self.action == "corrupt_sync" and self.stage != "update":
+        if self.action == "corrupt_sync" and (self.stage != "update" or self.attempt != 1):
             raise ValueError(
-                f"corrupt_sync applies to the update stage (the weight sync), not {self.stage!r}"
+                "corrupt_sync applies to the update stage's first attempt (the weight sync it "
+                f"ends with), not {self.stage!r} attempt {self.attempt}"
             )
         if self.stage == "checkpoint" and self.action in ("delay", "kill_store_shard"):
             raise ValueError(

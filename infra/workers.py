@@ -167,7 +167,10 @@ class ModelWorker:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
-        self.probe = probe_ids(len(self.tokenizer))
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(spec.policy_path).vocab_size
+        self.probe = probe_ids(min(len(self.tokenizer), int(vocab)))
         self.eos_ids = stop_token_ids(self.tokenizer, spec.policy_path)
         self.pad_id = pad_token_id(self.tokenizer)
         for role in spec.roles:
@@ -229,6 +232,9 @@ class ModelWorker:
             pad_token_id=self.pad_id,
             **engine_options(self.cfg.rollout),
         )
+        torch.set_num_threads(
+            self.cfg.resources.threads_per_worker
+        )  # vLLM's CPU worker sets its own
         self.group.register("rollout", self.engine)
 
     def _build_reward(self) -> None:
@@ -473,7 +479,9 @@ class ModelWorker:
             self.corrupt_next_sync = False
         start = time.perf_counter()
         self.engine.load_weights(weights)
-        self.sync_stats["sync/seconds"] = time.perf_counter() - start
+        self.sync_stats["sync/seconds"] = self.sync_stats.get("sync/seconds", 0.0) + (
+            time.perf_counter() - start
+        )
         self.sync_stats["sync/bytes"] = float(
             sum(t.numel() * t.element_size() for t in weights.values())
         )
@@ -481,8 +489,8 @@ class ModelWorker:
 
     def _check_sync(self, expected: ProbeExpectation) -> None:
         """Score the probe with the (awake) engine and compare with the trainer's; raises
-        ``WeightSyncError`` above ``rollout.sync_tolerance`` (the expectation stays, so a retry
-        fails the same way)."""
+        ``WeightSyncError`` above ``rollout.sync_tolerance`` (the expectation stays: every wake
+        fails the same way until another sync; stages do not retry this error)."""
         start = time.perf_counter()
         diff = probe_max_abs_diff(self.engine.probe_logprobs(self.probe), expected)
         self.sync_stats["sync/seconds"] = self.sync_stats.get("sync/seconds", 0.0) + (

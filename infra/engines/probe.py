@@ -37,8 +37,9 @@ _PROBE_SEED = 20_261_204
 
 # Largest |engine - trainer| log-probability difference accepted per engine dtype: a float32
 # engine matches the trainer up to kernel rounding; half-precision engines round every
-# activation, so their log-probs differ by a few hundredths on small models.
-_TOLERANCE = {"float32": 1e-3, "float16": 0.05, "bfloat16": 0.1}
+# activation and logit (bfloat16 logits between 16 and 32 are 0.125 apart), so their bounds
+# leave room for larger models than the tiny ones the defaults were measured on.
+_TOLERANCE = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.25}
 
 
 class WeightSyncError(RuntimeError):
