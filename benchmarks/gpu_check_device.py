@@ -373,10 +373,39 @@ def sync(device: str) -> None:
 
 
 # ----------------------------------------------------------------------------- parts
+def engine_gap(
+    scale: Scale, policy: Path, batch: Any, behaviour: torch.Tensor, engine_cfg: Any, dtype: str
+) -> dict[str, Any]:
+    """The trainer in ``dtype`` scores ``batch``; its gap to the engine's log-probs
+    ``behaviour`` (B, T) with the correction a run with ``engine_cfg`` resolves."""
+    from tasks.update.correction import rollout_correction, rollout_gap
+
+    trainer = make_worker(make_config(scale, dtype, batch.batch_size), ("actor",), policy)
+    old = trainer_logprobs(trainer, batch)  # (B, T)
+    settings = actor_settings(trainer.cfg)
+    release(trainer)
+    mode = actor_settings(engine_cfg).rollout_correction  # as the run would resolve it
+    correction = rollout_correction(
+        old_logprobs=old,
+        rollout_logprobs=behaviour,
+        response_mask=batch.response_mask,
+        mode=mode,
+        cap=settings.correction_cap,
+        low=settings.correction_low,
+        high=settings.correction_high,
+    )
+    gap = rollout_gap(
+        old_logprobs=old,
+        rollout_logprobs=behaviour,
+        response_mask=batch.response_mask,
+        correction=correction,
+    )
+    return {"mode": mode, **gap.metrics()}
+
+
 def part_rollout_gap(scale: Scale, root: Path) -> dict[str, Any]:
     """1. The train–inference gap: engine samples vs the trainer's log-probs of them."""
     from tasks.batching import pack_batch
-    from tasks.update.correction import rollout_correction, rollout_gap
 
     policy = qwen_path(root, scale)
     rows = scale.prompts * scale.samples_per_prompt
@@ -394,29 +423,12 @@ def part_rollout_gap(scale: Scale, root: Path) -> dict[str, Any]:
         repeated = [p for p in prompts for _ in range(scale.samples_per_prompt)]
         batch = pack_batch(prompt_ids=repeated, response_ids=out.response_ids, pad_id=pad_id)
         behaviour = padded(out.rollout_logprobs, batch.response_mask.shape[1])  # (B, T)
-        gaps = {}
-        for dtype in trainer_dtypes:
-            trainer = make_worker(make_config(scale, dtype, rows), ("actor",), policy)
-            old = trainer_logprobs(trainer, batch)  # (B, T)
-            settings = actor_settings(trainer.cfg)
-            release(trainer)
-            mode = actor_settings(cfg).rollout_correction  # as the run would resolve it
-            correction = rollout_correction(
-                old_logprobs=old,
-                rollout_logprobs=behaviour,
-                response_mask=batch.response_mask,
-                mode=mode,
-                cap=settings.correction_cap,
-                low=settings.correction_low,
-                high=settings.correction_high,
+        gaps = {
+            f"engine_{engine_dtype}_vs_trainer_{dtype}": engine_gap(
+                scale, policy, batch, behaviour, cfg, dtype
             )
-            gap = rollout_gap(
-                old_logprobs=old,
-                rollout_logprobs=behaviour,
-                response_mask=batch.response_mask,
-                correction=correction,
-            )
-            gaps[f"engine_{engine_dtype}_vs_trainer_{dtype}"] = {"mode": mode, **gap.metrics()}
+            for dtype in trainer_dtypes
+        }
         gaps["tokens"] = int(batch.response_mask.sum())
         return gaps
 
@@ -626,7 +638,6 @@ def part_vllm(scale: Scale, root: Path) -> dict[str, Any]:
         return {"skipped": "vLLM is not installed (make venv-vllm, or the vllm extra on CUDA)"}
     from infra.engines.probe import WeightSyncError
     from tasks.batching import pack_batch
-    from tasks.update.correction import rollout_correction, rollout_gap
 
     policy = qwen_path(root, scale)
     rows = scale.prompts * scale.samples_per_prompt
@@ -664,26 +675,8 @@ def part_vllm(scale: Scale, root: Path) -> dict[str, Any]:
             pad_id=worker.pad_id,
         )
         release(worker)
-        trainer = make_worker(make_config(scale, "float32", rows), ("actor",), policy)
-        old = trainer_logprobs(trainer, batch)  # (B, T)
-        settings = actor_settings(trainer.cfg)
-        release(trainer)
         behaviour = padded(sampled.rollout_logprobs, batch.response_mask.shape[1])  # (B, T)
-        correction = rollout_correction(
-            old_logprobs=old,
-            rollout_logprobs=behaviour,
-            response_mask=batch.response_mask,
-            mode=actor_settings(cfg).rollout_correction,
-            cap=settings.correction_cap,
-            low=settings.correction_low,
-            high=settings.correction_high,
-        )
-        gap = rollout_gap(
-            old_logprobs=old,
-            rollout_logprobs=behaviour,
-            response_mask=batch.response_mask,
-            correction=correction,
-        )
+        gap = engine_gap(scale, policy, batch, behaviour, cfg, "float32")
         hf_cfg = make_config(scale, dtype, rows)
         hf = make_worker(hf_cfg, ("rollout",), policy)
         with hf.awake("rollout") as engine:
@@ -700,7 +693,7 @@ def part_vllm(scale: Scale, root: Path) -> dict[str, Any]:
             "tolerance": cfg.sync_tolerance,
             "broken_sync_caught": caught,
             "greedy_agreement_with_hf": sum(agree) / len(agree),
-            "gap_vs_float32_trainer": gap.metrics(),
+            "gap_vs_float32_trainer": gap,
         }
     return out
 

@@ -34,16 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline_parts.settings import QUIET_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
-QUIET = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DO_NOT_TRACK": "1",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 DTYPES = ("float32", "bfloat16")
 MODES = {"sync": (), "colocate_async": ("resources.max_staleness=2",)}
 CORRECTIONS = ("none", "auto")
@@ -64,7 +57,7 @@ def run_one(args: argparse.Namespace, seed: int, dtype: str, mode: str, fix: str
         f"trainer.total_steps={args.steps}",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env.update(QUIET, PYTHONPATH=str(ROOT))
+    env.update(QUIET_ENV, PYTHONPATH=str(ROOT))
     started = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - started
