@@ -88,12 +88,18 @@ def main() -> None:
     parser.add_argument("--warm-from", required=True, help="a warmstart folder per seed, {seed}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=55, help="trainer.total_steps")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks" / "results" / "rollout-gap-vllm.json"
     )
     args = parser.parse_args()
+    # Runs of other seeds or dtypes already in the output file are kept.
     results: dict[str, Any] = {}
-    for seed, dtype, mode, fix in itertools.product(args.seeds, DTYPES, MODES, CORRECTIONS):
+    if args.output.exists():
+        earlier = json.loads(args.output.read_text())
+        if earlier.get("steps") == args.steps:
+            results = earlier["results"]
+    for seed, dtype, mode, fix in itertools.product(args.seeds, args.dtypes, MODES, CORRECTIONS):
         key = f"seed={seed} dtype={dtype} mode={mode} correction={fix}"
         print(f"  {key} ...", flush=True)
         results[key] = run_one(args, seed, dtype, mode, fix)

@@ -213,7 +213,8 @@ class RolloutConfig(_Section):
         gt=0,
         description=(
             "Largest accepted |engine - trainer| probe log-prob difference (null: by "
-            "models.dtype: float32 1e-3, float16 0.1, bfloat16 0.25)."
+            "models.dtype: float32 1e-3, float16 0.5, bfloat16 1.0: half precision rounds the "
+            "probe's improbable tokens by tenths of a nat)."
         ),
     )
     tensor_parallel_size: int = Field(

@@ -36,10 +36,12 @@ PROBE_LENGTH = 48
 _PROBE_SEED = 20_261_204
 
 # Largest |engine - trainer| log-probability difference accepted per engine dtype: a float32
-# engine matches the trainer up to kernel rounding; half-precision engines round every
-# activation and logit (bfloat16 logits between 16 and 32 are 0.125 apart), so their bounds
-# leave room for larger models than the tiny ones the defaults were measured on.
-_TOLERANCE = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.25}
+# engine matches the trainer up to kernel rounding. Half-precision engines round every
+# activation and logit (bfloat16 logits between 16 and 32 are 0.125 apart), and the probe's
+# random tokens are improbable ones with large logits: a trained policy's bfloat16 engine
+# differs by up to about 0.3 there. Their bounds catch a broken or missing sync (differences of
+# nats), not an engine one small update behind.
+_TOLERANCE = {"float32": 1e-3, "float16": 0.5, "bfloat16": 1.0}
 
 
 class WeightSyncError(RuntimeError):
