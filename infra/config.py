@@ -213,8 +213,8 @@ class RolloutConfig(_Section):
         gt=0,
         description=(
             "Largest accepted |engine - trainer| probe log-prob difference (null: by "
-            "models.dtype: float32 1e-3, float16 0.5, bfloat16 1.0: half precision rounds the "
-            "probe's improbable tokens by tenths of a nat)."
+            "models.dtype: float32 1e-3, float16 1.0, bfloat16 2.0: half precision rounds the "
+            "log-probs of the probe's improbable tokens by up to about a nat)."
         ),
     )
     tensor_parallel_size: int = Field(
