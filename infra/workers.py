@@ -474,9 +474,7 @@ class ModelWorker:
     def _sync_engine(self, weights: dict[str, torch.Tensor], probe: torch.Tensor | None) -> None:
         """Load ``weights`` (policy ``self.version``) into the rollout engine; ``probe`` is what
         the engine must answer to the probe once they are in (checked at its next wake)."""
-        if self.corrupt_next_sync:
-            weights = _perturbed(weights)
-            self.corrupt_next_sync = False
+        weights = self._maybe_corrupted(weights)
         start = time.perf_counter()
         self.engine.load_weights(weights)
         self.sync_stats["sync/seconds"] = self.sync_stats.get("sync/seconds", 0.0) + (
@@ -486,6 +484,13 @@ class ModelWorker:
             sum(t.numel() * t.element_size() for t in weights.values())
         )
         self.expected_probe = None if probe is None else ProbeExpectation(self.version, probe)
+
+    def _maybe_corrupted(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``weights``, perturbed once when the ``corrupt_sync`` fault is armed."""
+        if not self.corrupt_next_sync:
+            return weights
+        self.corrupt_next_sync = False
+        return _perturbed(weights)
 
     def _check_sync(self, expected: ProbeExpectation) -> None:
         """Score the probe with the (awake) engine and compare with the trainer's; raises
@@ -536,9 +541,7 @@ class ModelWorker:
         weights = self.policy_weights()
         with self.awake("actor") as actor:
             probe = self.trainer_probe(actor.module, for_pool=True)
-        if self.corrupt_next_sync:
-            weights = _perturbed(weights)
-            self.corrupt_next_sync = False
+        weights = self._maybe_corrupted(weights)
         if self.spec.rank != 0:
             return PolicySnapshot({}, None)
         return PolicySnapshot(

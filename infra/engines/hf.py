@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from infra.engines.base import GenerationOutput, ModuleResidency, check_generate_args
+from infra.engines.probe import trainer_probe_logprobs
 from infra.kernels import fuse_activations
 
 __all__ = ["TransformersEngine", "sample_next_tokens"]
@@ -103,14 +104,11 @@ class TransformersEngine:
         for name, value in state_dict.items():
             own[name].copy_(value)
 
-    @torch.inference_mode()
     def probe_logprobs(self, ids: Tensor) -> Tensor:
         """``log p(ids[t] | ids[:t])`` for t = 1 .. L-1 at temperature 1, float32 on the CPU
-        (the weight-sync probe, ``infra.engines.probe``)."""
+        (the weight-sync probe: the same forward the trainer's side runs)."""
         self._residency.require_awake("TransformersEngine.probe_logprobs()")
-        logits: Tensor = self.model(input_ids=ids[None].to(self._device)).logits[0, :-1].float()
-        picked = logits.log_softmax(-1).gather(-1, ids[1:, None].to(self._device))[:, 0]
-        return picked.cpu()  # (L-1,)
+        return trainer_probe_logprobs(self.model, ids)
 
     # -- generation ----------------------------------------------------------------------------
 
