@@ -12,6 +12,8 @@ ppoflow data addition --out DIR                               # the built-in pro
 A bad setting, a missing file or folder, a prompt longer than ``data.max_prompt_length`` (with
 ``data.truncation=error``) or a reward function that does not load is one line on stderr and
 exit status 2, before Ray or Prefect start; a run that fails later exits 1 with its error.
+SIGTERM, SIGINT or SIGHUP stop a run at the next checkpoint (``flows.stopping``) and release
+everything it started; the exit status is then 128 + the signal's number.
 
 Before ``ppoflow train`` exits it waits up to ``EVENTS_DRAIN_S`` for Prefect's queued events
 (task states, iteration events) to reach the API; when the API no longer answers (the server
@@ -86,14 +88,26 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from flows import stopping
     from infra.config import ConfigError, load_config
 
+    stopping.enable()
     try:
         cfg = load_config(args.config or MAIN_JOB, args.overrides)
         _preflight(cfg)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"ppoflow: {_one_line(exc)}", file=sys.stderr)
         return 2
+    try:
+        with stopping.signals(cfg.trainer.stop_grace_s):
+            return _run(cfg)
+    except stopping.RunStopped as stop:
+        print(f"ppoflow: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
+
+
+def _run(cfg: TrainConfig) -> int:
+    """The flow run of ``ppoflow train``: 0 when it completed, 1 when it failed."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     from flows.train import ppo_train

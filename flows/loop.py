@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from flows import stopping
 from flows.checkpoint import checkpoint_run, latest_checkpoint, restore
 from flows.evaluation import Evaluator
 from flows.inputs import Datasets, heldout_rows
@@ -383,32 +384,41 @@ class Trainer:
             if per_run is None
             else min(cfg.trainer.total_steps, first + per_run)
         )
-        step = last = first
+        last = first
         try:
-            while step < end:
-                try:
-                    out_of_time = self.one_step(step, first=first, end=end, report=report, t0=t0)
-                except (WorkerDied, ShardLost) as exc:
-                    if self.restarts >= cfg.trainer.max_restarts:
-                        message = (
-                            f"{exc} at step {step}; no restart left "
-                            f"(trainer.max_restarts={cfg.trainer.max_restarts})"
-                        )
-                        if isinstance(exc, WorkerDied):
-                            raise WorkerDied(message, exc.group) from exc
-                        raise RuntimeError(message) from exc
-                    step = self.restart(exc, step, report)
-                    continue
-                last = step
-                if out_of_time:
-                    break
-                step += 1
+            with stopping.safe_points():
+                last = self._steps(first, end, report, t0)
         finally:
             report.close()
             self.stop_producer()
         return RunResult(
             report=report, first_step=first, last_step=last, checkpoint=self.last_checkpoint
         )
+
+    def _steps(self, first: int, end: int, report: RunReport, t0: float) -> int:
+        """Run steps ``first``..``end - 1`` (a restart goes back to its checkpoint); returns the
+        last step run."""
+        cfg = self.cfg
+        step = last = first
+        while step < end:
+            try:
+                out_of_time = self.one_step(step, first=first, end=end, report=report, t0=t0)
+            except (WorkerDied, ShardLost) as exc:
+                if self.restarts >= cfg.trainer.max_restarts:
+                    message = (
+                        f"{exc} at step {step}; no restart left "
+                        f"(trainer.max_restarts={cfg.trainer.max_restarts})"
+                    )
+                    if isinstance(exc, WorkerDied):
+                        raise WorkerDied(message, exc.group) from exc
+                    raise RuntimeError(message) from exc
+                step = self.restart(exc, step, report)
+                continue
+            last = step
+            if out_of_time:
+                break
+            step += 1
+        return last
 
     def one_step(self, step: int, *, first: int, end: int, report: RunReport, t0: float) -> bool:
         """Evaluate if due, iterate, log, checkpoint if due; True when out of time."""
@@ -427,6 +437,9 @@ class Trainer:
             cfg.trainer.max_seconds is not None
             and time.perf_counter() - t0 > cfg.trainer.max_seconds
         )
-        if (step + 1) % cfg.trainer.checkpoint_every == 0 or step == end - 1 or out_of_time:
+        stop = stopping.requested() is not None
+        due = (step + 1) % cfg.trainer.checkpoint_every == 0 or step == end - 1
+        if due or out_of_time or stop:
             self.checkpoint(step)
+        stopping.stop_now(step=step, checkpoint=self.last_checkpoint)
         return out_of_time

@@ -18,6 +18,7 @@ import yaml
 from prefect import flow, get_run_logger
 from transformers import AutoTokenizer
 
+from flows import stopping
 from flows.deploy import effective_config, flow_run_name
 from flows.inputs import check_inputs, load_datasets
 from flows.loop import Trainer
@@ -32,6 +33,12 @@ from infra.reward_model import reward_model_paths
 def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B008 - the form's default
     """Train a policy with PPO-family RL from a (colocated) reward model and/or reward functions."""
     cfg = effective_config(config)  # a deployment run: laid over its preset
+    # `ppoflow train`: its signal handlers in place of the ones Prefect's engine set for the run.
+    with stopping.signals(cfg.trainer.stop_grace_s):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> dict[str, Any]:
     logger = get_run_logger()
     run_dir = cfg.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)

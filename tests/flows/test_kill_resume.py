@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -225,3 +226,72 @@ def _server_goes_away(command: list[str], metrics: Path, tmp: Path, logs: Path) 
     output = log.read_text()
     assert code == 1, output[-3000:]
     assert "stopped answering" in output and "step-000003" in output, output[-3000:]
+
+
+def _listening_ports(procs: list[psutil.Process]) -> set[int]:
+    ports = set()
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    ports.add(conn.laddr.port)
+    return ports
+
+
+def _in_session(sid: int) -> list[int]:
+    found = []
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == sid:
+                found.append(pid)
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_mid_step_checkpoints_leaves_nothing_running_and_resumes_to_the_same_weights(
+    assets, uninterrupted: Path, private_tmp: Path, tmp_path: Path
+) -> None:
+    tmp = private_tmp
+    run_dir, log = tmp_path / "stopped", tmp_path / "stopped.log"
+    metrics = run_dir / "metrics.jsonl"
+    # 1. The run, sent SIGTERM once two steps are logged (step 2 is then in flight).
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            _command(assets, run_dir), env=_env(tmp), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        root = psutil.Process(proc.pid)
+        tree = [root, *root.children(recursive=True)]
+        ports = _listening_ports(tree)
+        assert len(tree) > 3 and ports, (tree, ports)  # Ray, its workers, the Prefect server
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=300)
+        # 2. Exit 143 with one line naming the checkpoint; nothing of its tree is left.
+        text = log.read_text()
+        assert code == 128 + signal.SIGTERM, text[-3000:]
+        stopped = [line for line in text.splitlines() if "stopped by SIGTERM after step" in line]
+        assert len(stopped) == 1, text[-3000:]
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+        assert not _in_session(proc.pid)
+        assert not ports & _listening_ports([psutil.Process(p) for p in psutil.pids()])
+        step = int(stopped[0].split("after step ")[1].split(",")[0])
+        assert 2 <= step < STEPS - 1
+        assert (run_dir / "checkpoints" / f"step-{step:06d}").is_dir()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    # 3. The same command resumes after that checkpoint and ends with the uninterrupted weights.
+    done = subprocess.run(
+        _command(assets, run_dir), env=_env(tmp), timeout=600, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f'"first_step": {step + 1}' in done.stdout, done.stdout[-2000:]
+    _assert_same_weights(uninterrupted, run_dir)
