@@ -1,20 +1,22 @@
 """Build and tear down what a training run computes on: Ray, resource pools, worker groups, store.
 
-Pool layout by mode (``reward.pool`` decides whether the reward model and the judge share the
-training pool, ``colocated``, or get a pool of one bundle, ``own``):
+Pool layout by mode (``reward.pool`` decides whether the scoring models — reward model, judge,
+distillation teacher — share the training pool, ``colocated``, or get a pool of one bundle,
+``own``):
 
 | mode           | training pool (num_workers)                  | rollout pool    | own reward pool |
 |----------------|----------------------------------------------|-----------------|-----------------|
-| sync           | rollout, actor, ref, critic, (reward, judge) | — (training)    | reward, judge   |
-| colocate_async | same as sync                                 | — (training)    | reward, judge   |
-| separate_async | actor, ref, critic, (reward, judge)          | rollout_workers | reward, judge   |
+| sync           | rollout, actor, ref, critic, (scoring)       | — (training)    | scoring models  |
+| colocate_async | same as sync                                 | — (training)    | scoring models  |
+| separate_async | actor, ref, critic, (scoring)                | rollout_workers | scoring models  |
 
-``(reward, judge)``: with ``reward.pool: colocated``. In ``separate_async`` they never share the
-rollout's devices (a rollout that never pauses never frees them): colocated, they take turns with
-the trainer on the training pool, the producer thread's score and the training loop's logprobs
-and update calling the same workers, which run one call at a time (``infra.workers``).
-A run without a reward model and without a judge (reward functions only) has no reward or judge
-role and no reward pool.
+``(scoring)``: reward, judge and teacher, each if used, with ``reward.pool: colocated``. In
+``separate_async`` they never share the rollout's devices (a rollout that never pauses never
+frees them): colocated, they take turns with the trainer on the training pool, the producer
+thread's score and the training loop's logprobs and update calling the same workers, which run
+one call at a time (``infra.workers``).
+A run without a reward model, judge or teacher (reward functions only) has none of their roles
+and no reward pool.
 Each bundle is one device, except the rollout pool's with a tensor-parallel vLLM engine
 (``rollout.tensor_parallel_size``, separate_async only): each of its bundles holds that many.
 """
@@ -33,12 +35,15 @@ from storage import Store
 
 
 def _reward_roles(cfg: TrainConfig) -> tuple[Role, ...]:
-    """The scoring models the run loads: the reward model and the judge, each if used."""
+    """The scoring models the run loads: the reward model, the judge and the distillation
+    teacher, each if used."""
     roles: list[Role] = []
     if cfg.uses_reward_model:
         roles.append("reward")
     if cfg.models.judge is not None:
         roles.append("judge")
+    if cfg.algorithm.distills:
+        roles.append("teacher")
     return tuple(roles)
 
 
@@ -69,6 +74,7 @@ def _spec(
         reward_model_path=models.reward_model,
         critic_path=models.critic,
         judge_path=models.judge if "judge" in roles else None,
+        teacher_path=models.teacher if "teacher" in roles else None,
         judge_template=(
             template_text(cfg.reward.judge.template)
             if "judge" in roles and cfg.reward.judge is not None
@@ -107,7 +113,7 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
         )
         # 2. Optional own pools for the reward model / judge and the rollout.
         rollout = train
-        colocated = {"reward", "judge"} & set(train.spec.roles)
+        colocated = {"reward", "judge", "teacher"} & set(train.spec.roles)
         reward: WorkerGroup | None = train if colocated else None
         if own_reward:
             pool = create_pool("reward", 1, accelerator=res.accelerator_resource)

@@ -2,8 +2,8 @@
 
 A ``ModelWorker`` owns some of the roles ``rollout`` (generation engine), ``reward`` (reward
 model, or an ensemble whose members wake and sleep together), ``judge`` (an LLM judge,
-``infra.judge``), ``actor`` (policy + optimizer), ``ref`` (frozen reference policy) and
-``critic`` (value model + optimizer), and a handle on the run's store. It
+``infra.judge``), ``teacher`` (on-policy distillation's frozen teacher), ``actor`` (policy +
+optimizer), ``ref`` (frozen reference policy) and ``critic`` (value model + optimizer), and a handle on the run's store. It
 knows nothing of the stages: a stage hands it a function, ``worker.run(fn, shard, ...)`` calls
 ``fn(worker, shard, ...)`` in the worker's process, and that function reads the shard's rows from the store, wakes the role
 it needs (``with worker.awake("actor") as actor:``), computes and writes its rows back. The flow
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 P = ParamSpec("P")
 R = TypeVar("R")
 
-Role = Literal["rollout", "reward", "judge", "actor", "ref", "critic"]
+Role = Literal["rollout", "reward", "judge", "teacher", "actor", "ref", "critic"]
 ROLES: tuple[Role, ...] = get_args(Role)
 SHARDABLE: tuple[Role, ...] = ("actor", "ref", "critic")  # a training strategy may shard these
 
@@ -91,6 +91,7 @@ class WorkerSpec:
     critic_path: str | None = None
     judge_path: str | None = None
     judge_template: str | None = None  # the template's text (``infra.judge.template_text``)
+    teacher_path: str | None = None
     store_url: str = "memory://"
     rank: int = 0
     world_size: int = 1
@@ -276,6 +277,22 @@ class ModelWorker:
         )
         self.group.register("judge", self.judge)
 
+    def _build_teacher(self) -> None:
+        """The distillation teacher: frozen, whole on each worker that holds it (a scoring
+        model: each worker scores its own rows), in the run's compute dtype."""
+        from transformers import AutoModelForCausalLM
+
+        from infra.training import prepare_frozen
+
+        assert self.spec.teacher_path is not None, "teacher role needs teacher_path"
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+            self.spec.teacher_path, dtype=self.dtype
+        )
+        fuse_activations(model)
+        model = prepare_frozen(model, strategy="none", device=self.device)
+        self.teacher = TrainableModel(model, None, device=str(self.device))
+        self.group.register("teacher", self.teacher)
+
     def strategy(self, role: Role) -> Strategy:
         """The training engine of ``role``'s model (the reference follows the actor)."""
         return self.cfg.strategy("critic" if role == "critic" else "actor", self.spec.world_size)
@@ -402,7 +419,7 @@ class ModelWorker:
 
     @overload
     def awake(
-        self, role: Literal["actor", "ref", "critic"]
+        self, role: Literal["actor", "ref", "critic", "teacher"]
     ) -> AbstractContextManager[TrainableModel]: ...
 
     def awake(self, role: Role) -> AbstractContextManager[Sleepable]:
@@ -685,6 +702,7 @@ BUILDERS: dict[Role, Callable[[ModelWorker], None]] = {
     "rollout": ModelWorker._build_rollout,
     "reward": ModelWorker._build_reward,
     "judge": ModelWorker._build_judge,
+    "teacher": ModelWorker._build_teacher,
     "actor": ModelWorker._build_actor,
     "ref": ModelWorker._build_ref,
     "critic": ModelWorker._build_critic,

@@ -147,6 +147,7 @@ VOCABULARY: Mapping[str, FieldSpec] = MappingProxyType(
         "rollout_logprobs": FieldSpec.jagged(torch.float32),
         "old_logprobs": FieldSpec.jagged(torch.float32),
         "ref_logprobs": FieldSpec.jagged(torch.float32),
+        "teacher_logprobs": FieldSpec.jagged(torch.float32),  # on-policy distillation's teacher
         "values": FieldSpec.jagged(torch.float32),
         "token_rewards": FieldSpec.jagged(torch.float32),
         "advantages": FieldSpec.jagged(torch.float32),

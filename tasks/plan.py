@@ -6,8 +6,8 @@ and handed to the stages.
 - ``old_logprobs``: the stored field the update clips its ratio against (π_old), or None when
   the update takes the detached log-probs of its own first forward pass (one on-policy optimizer
   step per batch: ``algorithm.old_logprobs: auto``, mode ``sync``, one PPO epoch, one
-  mini-batch, no KL in the reward — the weights have not moved yet, so they are the same
-  numbers). ``old_logprobs`` is recomputed by the logprobs stage; ``rollout_logprobs`` is the
+  mini-batch, no KL in the reward, no distillation — the weights have not moved yet, so they
+  are the same numbers). ``old_logprobs`` is recomputed by the logprobs stage; ``rollout_logprobs`` is the
   rollout engine's (``algorithm.old_logprobs: rollout``).
 - ``forward_passes``: what the logprobs stage computes — the actor's ``old_logprobs`` when the
   update clips against them; the reference's ``ref_logprobs`` when the run holds a reference (a
@@ -27,6 +27,11 @@ and handed to the stages.
   and store a ``loss_mask`` (False on tool-message tokens): the advantage stage ANDs it into the
   ``response_mask`` it writes (estimators, KL penalty, metrics) and logs ``agent/*``; the update
   ANDs it into the actor's and the critic's masks (loss, entropy, KL loss, correction).
+- ``distill``: on-policy distillation's mode (``algorithm.distill``; None: off). The score
+  stage writes the teacher's ``teacher_logprobs`` (``Scoring.teacher``); the student's are the
+  policy's stored log-probs (recomputed unless ``algorithm.old_logprobs: rollout``). The
+  advantage stage logs ``distill/*`` and, in ``reverse_kl`` mode, adds the signal to the
+  advantages; in ``kl_loss`` mode the update reads ``teacher_logprobs`` for its loss term.
 - ``advantage_reads`` and ``update_fields``: what those two stages read (the update takes the
   policy's log-probs field under the name ``old_logprobs``, and the behaviour policy's
   ``rollout_logprobs`` for the correction and the ``rollout_corr/*`` metrics).
@@ -56,6 +61,7 @@ class Scoring:
     rule: str | None  # a ``tasks.rewards.RULES`` name (None: no rule)
     rule_weight: float
     judge_weight: float | None = None  # the LLM judge's (None: not judged; ``reward.judge``)
+    teacher: bool = False  # the distillation teacher's log-probs (``algorithm.distill``)
 
     @property
     def writes(self) -> tuple[str, ...]:
@@ -65,6 +71,7 @@ class Scoring:
             + (("rm_scores",) if self.model_weight is not None else ())
             + (("rule_scores",) if self.rule else ())
             + (("judge_verdicts",) if self.judge_weight is not None else ())
+            + (("teacher_logprobs",) if self.teacher else ())
         )
 
     @classmethod
@@ -79,6 +86,7 @@ class Scoring:
             rule=reward.rule if uses_rule else None,
             rule_weight=reward.rule_weight,
             judge_weight=reward.judge.weight if reward.judge is not None else None,
+            teacher=cfg.algorithm.distills,
         )
 
 
@@ -96,6 +104,7 @@ class StepPlan:
     rollout_correction: Correction
     mask_truncated: bool
     multi_turn: bool
+    distill: Literal["reverse_kl", "kl_loss"] | None
     advantage_reads: tuple[str, ...]
     update_fields: dict[str, str]
 
@@ -116,7 +125,9 @@ class StepPlan:
         kl_at: Literal["advantage", "update"] | None = None
         if reference:
             kl_at = "advantage" if old is not None else "update"
-        policy = (old, "ref_logprobs") if kl_at == "advantage" and old is not None else ()
+        policy: tuple[str, ...] = (
+            (old, "ref_logprobs") if kl_at == "advantage" and old is not None else ()
+        )
         # 3. The update's fields: stored name → the name it takes them under.
         update: dict[str, str] = {"advantages": "advantages"}
         if old is not None:
@@ -132,6 +143,11 @@ class StepPlan:
         multi_turn = cfg.rollout.multi_turn
         if multi_turn:
             update["loss_mask"] = "loss_mask"
+        distill = algo.distill.mode if algo.distills else None
+        if distill is not None and old is not None:  # old is never None when distilling
+            policy = tuple(dict.fromkeys((*policy, old, "teacher_logprobs")))
+        if distill == "kl_loss":
+            update["teacher_logprobs"] = "teacher_logprobs"
         return cls(
             scoring=Scoring.for_training(cfg),
             old_logprobs=old,
@@ -143,6 +159,7 @@ class StepPlan:
             rollout_correction=_rollout_correction(cfg),
             mask_truncated=cfg.rollout.mask_truncated,
             multi_turn=multi_turn,
+            distill=distill,
             advantage_reads=("response_ids", "scores", "group_ids")
             + policy
             + (("values",) if critic else ())
@@ -156,7 +173,7 @@ def _old_logprobs(cfg: TrainConfig) -> PolicyLogprobs | None:
     choice = cfg.algorithm.old_logprobs
     if choice == "rollout":
         return "rollout_logprobs"
-    if choice == "recompute" or cfg.algorithm.kl.in_reward:
+    if choice == "recompute" or cfg.algorithm.kl.in_reward or cfg.algorithm.distills:
         return "old_logprobs"
     one_step = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size >= cfg.batch_size
     on_policy = cfg.resources.mode == "sync" and one_step

@@ -9,7 +9,10 @@ argument and nothing here moves the controller: the task returns the batch's KL 
 (flows.loop), so a retried task computes the same rows. What the stage reads, and whether it
 measures ``actor/kl_to_ref``, is the step plan's (``tasks.plan``). In a multi-turn run the
 written ``response_mask`` is True on sampled tokens only (``loss_mask``), the score sits on the
-last sampled token, and the stage logs the ``agent/*`` metrics of the batch.
+last sampled token, and the stage logs the ``agent/*`` metrics of the batch. With on-policy
+distillation (``algorithm.distill``) it reads the teacher's and the student's log-probs, logs
+``distill/*`` and, in ``reverse_kl`` mode, adds the distillation signal to the advantages
+(``distill``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from infra.agent_loop import agent_metrics
 from infra.config import TrainConfig
 from infra.workers import ModelWorker
 from storage import BatchMeta
-from tasks.advantage.core import run_estimator
+from tasks.advantage.core import discounted_reverse_cumsum, run_estimator
 from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.io import from_padded, lengths, padded
 from tasks.kl import apply_kl_penalty, kl_penalty
@@ -100,9 +103,49 @@ def compute(
         d["values"] = padded(data["values"], width).float()
     out = run_estimator(algo.estimator, tensors=d, settings=algo)
     d["advantages"], d["returns"] = out.advantages, out.returns
+    if plan.distill is not None:
+        d["advantages"], distilled = distill(
+            cfg, data, plan=plan, mask=mask, advantages=out.advantages
+        )
+        metrics.update(distilled)
     metrics["critic/advantages/mean"] = _mean(d["advantages"], mask)
     metrics["critic/returns/mean"] = _mean(d["returns"], mask)
     return Computed(tensors=d, metrics=metrics, reward_kl=reward_kl)
+
+
+def distill(
+    cfg: TrainConfig, data: dict[str, Tensor], *, plan: StepPlan, mask: Tensor, advantages: Tensor
+) -> tuple[Tensor, Metrics]:
+    """On-policy distillation (``algorithm.distill``): the advantages and the ``distill/*``
+    metrics.
+
+    1. d_t = log π_teacher(y_t) − log π_student(y_t) on the sampled tokens (``mask``, which
+       leaves tool tokens out), the student's being the policy's stored log-probs.
+    2. ``reverse_kl`` mode: A_t += coef · Σ_{k ≥ t} γ^(k − t) d_k (γ = ``algorithm.gamma``,
+       counted in token positions), after the estimator, so group normalisation and whitening
+       leave it as it is. ``kl_loss`` mode: the advantages are the estimator's; the update adds
+       the loss term.
+    3. Metrics: the mean reverse KL estimate (−d), the teacher's and the student's mean
+       log-probs over the sampled tokens.
+    """
+    assert plan.old_logprobs is not None, "a distilling plan stores the student's log-probs"
+    width = mask.shape[1]
+    student = padded(data[plan.old_logprobs], width).float()  # (B, T)
+    teacher = padded(data["teacher_logprobs"], width).float()  # (B, T)
+    # 1.
+    signal = (teacher - student).masked_fill(~mask, 0.0)  # (B, T)
+    # 2.
+    if plan.distill == "reverse_kl":
+        settings = cfg.algorithm
+        discounted = discounted_reverse_cumsum(values=signal, factor=settings.gamma)  # (B, T)
+        advantages = advantages + settings.distill.coef * discounted.masked_fill(~mask, 0.0)
+    # 3.
+    metrics: Metrics = {
+        "distill/reverse_kl/mean": _mean(-signal, mask),
+        "distill/teacher_logprob/mean": _mean(teacher, mask),
+        "distill/student_logprob/mean": _mean(student, mask),
+    }
+    return advantages, metrics
 
 
 def advantage_rows(

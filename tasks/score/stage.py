@@ -30,6 +30,9 @@ The per-sample score is
   they get the decoded responses from the workers and read ``ground_truth``, ``data_source``
   and ``extra_info`` from the store.
 - the built-in task's rule (``reward.rule``) is computed on the workers as the honest metric.
+- on-policy distillation (``algorithm.distill``): the teacher, when the worker holds it, scores
+  each sampled token (``teacher_logprobs``, after the reward model has gone back to sleep); the
+  advantage stage and the update use them, no score comes of them here.
 - multi-turn rollouts (``rollout.multi_turn``): the rule, the judge and the reward functions
   read the conversation's final assistant message (``infra.agent_loop.final_answer`` of the
   stored ``messages``) in place of the whole decoded response, and reward functions get the
@@ -66,7 +69,7 @@ from infra.group import WorkerGroup
 from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.context import Metrics, StageContext, StageResult, faults_at
-from tasks.io import lengths, nested, read, rows, write
+from tasks.io import from_padded, lengths, nested, read, rows, write
 from tasks.plan import Scoring
 from tasks.rewards import RULES
 from tasks.score.core import (
@@ -114,10 +117,12 @@ def score_rows(
     texts: bool,
     model: bool = True,
     judge: bool = False,
+    teacher: bool = False,
 ) -> ShardScores:
-    """Worker side: read my samples → reward model (if held and ``model``), judge verdicts (if
-    ``judge``), rule, decoding → write my ``rm_scores``; raises NonFiniteScoreError, writing
-    nothing, on a NaN/inf score."""
+    """Worker side: read my samples → reward model (if held and ``model``), the distillation
+    teacher's log-probs (if ``teacher``), judge verdicts (if ``judge``), rule, decoding → write
+    my ``rm_scores`` and ``teacher_logprobs``; raises NonFiniteScoreError, writing nothing, on a
+    NaN/inf score."""
     model = model and worker.has("reward")
     if judge and not worker.has("judge"):
         raise ValueError(
@@ -165,6 +170,8 @@ def score_rows(
         out.rm, out.truncated = rm.tolist(), int(scored.truncated.sum())
         out.rm_mean, out.rm_std = ensemble.mean.tolist(), ensemble.std.tolist()
         out.rm_members = int(scored.member_scores.shape[1])
+    if teacher:
+        teacher_logprobs(worker, shard)
     if rule or texts or judge:
         decoded = worker.tokenizer.batch_decode(
             [r.tolist() for r in responses], skip_special_tokens=True
@@ -181,6 +188,23 @@ def score_rows(
         if texts:
             out.texts = decoded
     return out
+
+
+def teacher_logprobs(worker: ModelWorker, shard: BatchMeta) -> None:
+    """Worker side: the teacher's log-probabilities of my samples' response tokens at the
+    rollout temperature, as the actor's are computed (its model awake for the block) → write
+    ``teacher_logprobs``."""
+    from tasks.logprobs.stage import read_packed, response_logprobs
+
+    if not worker.has("teacher"):
+        raise ValueError(
+            f"the teacher was asked to score but worker {worker.spec.rank} (roles "
+            f"{', '.join(worker.spec.roles)}) holds none"
+        )
+    batch = read_packed(worker, shard)
+    with worker.awake("teacher") as model:
+        logprobs = response_logprobs(worker, model.module, batch)  # (B, T)
+    worker.write(shard, {"teacher_logprobs": from_padded(logprobs, batch.response_lengths)})
 
 
 def judge_verdicts(
@@ -263,8 +287,9 @@ class Scores:
 
 
 def scoring_group(ctx: StageContext, scoring: Scoring) -> WorkerGroup:
-    """The reward model's and judge's workers when one of them scores, else the rollout pool's."""
-    models = scoring.model_weight is not None or scoring.judge_weight is not None
+    """The scoring models' workers (reward model, judge, teacher) when one of them scores, else
+    the rollout pool's."""
+    models = scoring.model_weight is not None or scoring.judge_weight is not None or scoring.teacher
     if models and ctx.rt.reward_group is not None:
         return ctx.rt.reward_group
     return ctx.rt.rollout_group
@@ -310,6 +335,7 @@ def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scor
         texts=scoring.functions,
         model=scoring.model_weight is not None,
         judge=scoring.judge_weight is not None,
+        teacher=scoring.teacher,
     )
     out = Scores(
         total=torch.zeros(len(meta.keys), dtype=torch.float32),
