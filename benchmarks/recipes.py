@@ -1,7 +1,8 @@
-"""Experiment: the DAPO preset against GRPO with the same reward function, and off-policy
-correction in ``colocate_async``, on the built-in task, seeds 0, 1, 2.
+"""Experiment: the DAPO preset against GRPO with the same reward function, off-policy
+correction in ``colocate_async``, and on-policy distillation, on the built-in task, seeds 0, 1,
+2.
 
-Run:  .venv/bin/python benchmarks/recipes.py [--seeds 0 1 2] [--arms dapo grpo async-none async-auto]
+Run:  .venv/bin/python benchmarks/recipes.py [--seeds 0 1 2] [--arms dapo grpo async-none async-auto distill]
 
 Arms (each a real ``ppoflow train`` run in its own process and run folder):
 
@@ -9,7 +10,10 @@ Arms (each a real ``ppoflow train`` run in its own process and run folder):
   sampling on the rule, clip-higher 0.28, token-mean loss, overlong buffer);
 - ``grpo``: ``--config grpo`` with the same reward function and no reward model;
 - ``async-none`` / ``async-auto``: ``dapo`` in ``resources.mode=colocate_async`` with
-  ``resources.max_staleness=2``, ``algorithm.rollout_correction.mode`` none / auto.
+  ``resources.max_staleness=2``, ``algorithm.rollout_correction.mode`` none / auto;
+- ``distill``: ``--config distill``: its warm start trains the teacher (``dapo`` from the
+  seed's SFT student), then the same SFT student learns from the teacher's log-probs alone
+  (no reward); the teacher's own curve is reported beside it (``distill-teacher``).
 
 Every arm of a seed starts from the same supervised warm start (the first arm trains it, the
 others get a copy of ``warmstart/sft``). Held-out accuracy is ``eval/rule_accuracy`` (200
@@ -52,6 +56,7 @@ ARMS: dict[str, list[str]] = {
         "resources.max_staleness=2",
         "algorithm.rollout_correction.mode=auto",
     ],
+    "distill": ["--config", "distill"],
 }
 MISMATCH = (
     "rollout_corr/kl_k1",
@@ -81,7 +86,12 @@ def run_arm(arm: str, seed: int, root: Path, warm: Path | None) -> dict[str, Any
     if done.returncode != 0:
         raise RuntimeError(f"{arm} seed {seed} failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"arm": arm, "seed": seed, "seconds": seconds, **summarize(rows)}
+    out = {"arm": arm, "seed": seed, "seconds": seconds, **summarize(rows)}
+    teacher = run_dir / "warmstart" / "teacher" / "metrics.jsonl"
+    if teacher.exists():  # the distill preset's teacher, trained from the same SFT student
+        lines = [json.loads(x) for x in teacher.read_text().splitlines()]
+        out["teacher"] = summarize(lines)
+    return out
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -117,6 +127,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         "grpo": "tab:orange",
         "async-none": "tab:red",
         "async-auto": "tab:green",
+        "distill": "tab:purple",
+        "distill-teacher": "tab:brown",
     }
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in results:
@@ -148,6 +160,8 @@ def main() -> None:
         for arm in args.arms:
             result = run_arm(arm, seed, args.root, warm)
             results.append(result)
+            if "teacher" in result:
+                results.append({"arm": f"{arm}-teacher", "seed": seed, **result.pop("teacher")})
             print(
                 f"{arm:<11} seed {seed}: held-out {result['final_accuracy']:.3f} after "
                 f"{result['samples']:.0f} samples, {result['seconds']:.0f} s",

@@ -1,0 +1,102 @@
+"""On-policy distillation end to end (``algorithm.distill``, ``models.teacher``): real Prefect
+(test harness), real local Ray, the tiny assets and a teacher built here from the tiny policy
+(its weights moved, saved with ``save_pretrained`` and loaded back by the workers).
+
+The teacher wakes where the scoring models do (``reward.pool``) and a run that ends completed
+kept the one-awake rule on every worker. ``timing_s/wake/<role>`` comes from the training
+pool's workers, so it shows whether the teacher took its turns there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from infra.config import TrainConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+METRICS = ("distill/reverse_kl/mean", "distill/teacher_logprob/mean", "distill/student_logprob/mean")
+
+
+@pytest.fixture(scope="module")
+def teacher(assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny policy with its weights moved: a teacher whose token distribution differs."""
+    out = tmp_path_factory.mktemp("teacher") / "teacher"
+    model = AutoModelForCausalLM.from_pretrained(assets.policy)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.2)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(assets.tokenizer).save_pretrained(out)
+    return out
+
+
+def _run(overrides: list[str], *extra: str) -> tuple[TrainConfig, list[dict[str, Any]]]:
+    from flows.train import ppo_train
+
+    cfg = load_config(CONFIGS / "tiny.yaml", [*overrides, *extra])
+    state = ppo_train(cfg, return_state=True)
+    assert state.is_completed(), state.message
+    rows = [
+        json.loads(x) for x in (cfg.resolved_run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    return cfg, rows
+
+
+def test_pure_distillation_in_sync_lowers_the_reverse_kl(
+    prefect_harness, ray_local, tiny_overrides, teacher: Path
+) -> None:
+    """No reward at all: the teacher's signal alone trains the student, and its reverse KL to
+    the teacher falls."""
+    _, rows = _run(
+        tiny_overrides,
+        f"models.teacher={teacher}",
+        "models.reward_model=null",
+        "reward.model_weight=0",
+        "reward.rule_weight=0",
+        "algorithm.distill.coef=1.0",
+        "algorithm.gamma=0.0",  # each token's own signal, as on-policy distillation does
+        "actor.lr=1e-3",
+        "trainer.total_steps=6",
+    )
+    assert [r["step"] for r in rows] == list(range(6))
+    for r in rows:
+        assert all(name in r for name in METRICS), sorted(r)
+        assert "reward/rm_score/mean" not in r
+        assert r["timing_s/wake/teacher"] >= 0  # colocated on the training pool
+    kl = [r["distill/reverse_kl/mean"] for r in rows]
+    assert kl[0] > 0.05, kl  # the moved teacher disagrees with the student at first
+    assert kl[-1] < 0.7 * kl[0], kl
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("resources.mode=colocate_async", "algorithm.distill.mode=kl_loss"),
+        ("resources.mode=separate_async", "reward.pool=colocated"),
+        ("resources.mode=separate_async", "reward.pool=own"),
+    ],
+    ids=["colocate_async-kl_loss", "separate_async-colocated", "separate_async-own"],
+)
+def test_distillation_beside_the_reward_model_in_the_async_modes(
+    prefect_harness, ray_local, tiny_overrides, teacher: Path, extra: tuple[str, ...]
+) -> None:
+    cfg, rows = _run(
+        tiny_overrides,
+        f"models.teacher={teacher}",
+        "algorithm.distill.coef=0.5",
+        "trainer.total_steps=3",
+        *extra,
+    )
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert all(name in r for name in METRICS), sorted(r)
+        assert "reward/rm_score/mean" in r  # the reward model scored beside the teacher
+    on_training_pool = any("timing_s/wake/teacher" in r for r in rows)
+    assert on_training_pool == (cfg.reward.pool == "colocated")
