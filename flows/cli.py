@@ -244,8 +244,9 @@ def _positive(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    _quiet_defaults()
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ppoflow`` command line, built without running anything (the docs' CLI reference is
+    generated from it)."""
     parser = argparse.ArgumentParser(
         prog="ppoflow", description="PPO-family RL as Prefect pipelines over Ray."
     )
@@ -300,7 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
     data.add_argument("--seed", type=int, default=0)
     data.set_defaults(fn=_data)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_defaults()
+    args = build_parser().parse_args(argv)
     code = int(args.fn(args))
     if args.command == "train" and not _events_delivered(EVENTS_DRAIN_S):
         print(
