@@ -94,4 +94,4 @@ gpu-wheels: venv
 	@du -ch .gpu-wheels/*.whl | tail -1
 
 clean:
-	rm -rf $(VENV) runs .ppoflow
+	rm -rf $(VENV) runs .ppoflow site

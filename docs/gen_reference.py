@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from flows.cli import build_parser  # noqa: E402
-from infra.config import TrainConfig, load_config  # noqa: E402
+from infra.config import ConfigError, TrainConfig, load_config  # noqa: E402
 
 PRESETS_DIR = ROOT / "configs"
 # Where the pages land in the site (docs_dir-relative).
@@ -194,8 +194,15 @@ def walk(
 def config_sections() -> list[Section]:
     """Every section of ``TrainConfig`` with its keys, defaults and the presets that change them."""
     defaults = TrainConfig().model_dump(mode="json")
-    presets = {name: load_config(name, []).model_dump(mode="json") for name in preset_names()}
+    presets = {name: _preset(name).model_dump(mode="json") for name in preset_names()}
     return list(walk(TrainConfig, "", defaults, presets))
+
+
+def _preset(name: str) -> TrainConfig:
+    try:
+        return load_config(name, [])
+    except ConfigError as exc:
+        raise ConfigError(f"the preset configs/{name}.yaml does not load: {exc}") from None
 
 
 CODE_SPAN = re.compile(r"(``.+?``|`[^`]+`)")
