@@ -88,7 +88,8 @@ def type_name(annotation: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(type_name(a) for a in args)
     if origin is list:
-        return "list of " + (type_name(args[0]) if args else "values")
+        inner = type_name(args[0]) if args else "values"
+        return "list, each " + inner if inner.startswith("one of") else "list of " + inner
     if origin is dict:
         return "mapping"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
