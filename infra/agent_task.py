@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from infra.assets import AssetPaths
     from infra.pretrain import SFTSettings
+    from infra.progress import Progress
 
 __all__ = [
     "AgentWarmstartReport",
@@ -249,6 +250,7 @@ def agent_warmstart(
     out_path: Path,
     settings: SFTSettings,
     seed: int,
+    progress: Progress | None = None,
 ) -> AgentWarmstartReport:
     """Fine-tune the policy on demonstrations (see the module docstring); save it and the
     tokenizer to ``out_path``. The schedule is ``infra.pretrain``'s (``settings``)."""
@@ -288,6 +290,7 @@ def agent_warmstart(
         min_lr_ratio=settings.min_lr_ratio,
         steps=settings.steps,
         max_seconds=settings.max_seconds,
+        progress=progress,
     )
     model.save_pretrained(out_path)
     tokenizer.save_pretrained(out_path)

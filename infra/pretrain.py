@@ -42,6 +42,7 @@ from transformers import (
 
 from infra.data import PromptRow, addition_rule, read_prompt_rows
 from infra.engines.hf import TransformersEngine
+from infra.progress import Progress
 from infra.reward_model import last_token_scores
 
 if TYPE_CHECKING:
@@ -334,24 +335,28 @@ def _train_loop(
     min_lr_ratio: float,
     steps: int,
     max_seconds: float | None,
+    progress: Progress | None = None,
 ) -> tuple[list[float], int, float]:
-    """AdamW with warm-up + cosine over the step/seconds budget; returns (losses, steps, seconds)."""
+    """AdamW with warm-up + cosine over the step/seconds budget; returns (losses, steps, seconds).
+    ``progress(done, steps)`` follows every optimizer step."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     started = time.perf_counter()
     losses: list[float] = []
     step = 0
     while _budget_left(step, steps, started, max_seconds):
-        progress = _progress(step, steps, started, max_seconds)
+        fraction = _progress(step, steps, started, max_seconds)
         for group in optimizer.param_groups:
-            group["lr"] = _cosine_lr(lr, progress, warmup=warmup_fraction, floor=min_lr_ratio)
-        loss = loss_fn(progress)
+            group["lr"] = _cosine_lr(lr, fraction, warmup=warmup_fraction, floor=min_lr_ratio)
+        loss = loss_fn(fraction)
         optimizer.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
         step += 1
+        if progress is not None:
+            progress(step, steps)
     torch.nn.Module.eval(model)  # transformers leaves its eval() unannotated
     return losses, step, time.perf_counter() - started
 
@@ -365,6 +370,7 @@ def sft_warmstart(
     out_path: Path,
     settings: SFTSettings,
     seed: int,
+    progress: Progress | None = None,
 ) -> SFTReport:
     """Fine-tune the policy on careless-annotator answers; save it (and the tokenizer) to ``out_path``."""
     # 1. Load the policy the way a real checkpoint is loaded, and pre-tokenise the prompts.
@@ -401,6 +407,7 @@ def sft_warmstart(
         min_lr_ratio=settings.min_lr_ratio,
         steps=settings.steps,
         max_seconds=settings.max_seconds,
+        progress=progress,
     )
     # 3. Measure with the rule on held-out prompts, then save.
     heldout = read_prompt_rows(heldout_path)[: settings.eval_rows]
@@ -595,6 +602,7 @@ def train_reward_model(
     settings: RewardModelSettings,
     seed: int,
     member: int = 0,
+    progress: Progress | None = None,
 ) -> RewardModelReport:
     """Train a scalar reward model from rule-derived pairs, starting from the SFT policy at ``init_path``.
 
@@ -644,6 +652,7 @@ def train_reward_model(
         min_lr_ratio=settings.min_lr_ratio,
         steps=settings.steps,
         max_seconds=settings.max_seconds,
+        progress=progress,
     )
     accuracy, by_kind = _heldout_pair_accuracy(model, heldout_pairs, tokenizer.pad_token_id)
     model.save_pretrained(out_path)
