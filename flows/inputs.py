@@ -2,8 +2,9 @@
 
 ``check_inputs(cfg)`` fails with one-line errors naming the setting: model folders that do not
 exist (a hub id is not a local folder), dataset files, reward-function files and functions, the
-tools (``rollout.tools``: each loads and has a JSON schema), the judge's template (it must
-render) and parse function.
+tools (``rollout.tools``: each loads and has a JSON schema, and a user's chat template renders
+a tool turn), the judge's template (it must render), its tokenizer's chat template and its
+parse function.
 ``load_datasets(cfg, models, tokenizer)`` reads the prompt files, renders a user's prompts with
 the policy tokenizer's chat template and applies ``data.max_prompt_length`` / ``data.truncation``
 (``error`` fails here, naming the file and the row). Both run in the CLI before the flow starts
@@ -51,9 +52,9 @@ def _check_folder(setting: str, path: Path | None) -> None:
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """Every path a setting names exists, every reward function and tool loads, the judge's
-    template renders and its parse function loads, and vLLM is installed where a setting asks
-    for it."""
+    """Every path a setting names exists, every reward function and tool loads (and a user's
+    chat template renders a tool turn), the judge's template and its tokenizer's chat template
+    render and its parse function loads, and vLLM is installed where a setting asks for it."""
     from infra.engines import is_vllm_available
     from infra.engines.vllm_engine import MISSING
     from infra.reward_functions import check_reward_functions
@@ -85,8 +86,38 @@ def check_inputs(cfg: TrainConfig) -> None:
 
             check_template(cfg.reward.judge.template)
             load_parse_function(cfg.reward.judge.parse)
+        if m.judge is not None:
+            from infra.judge import check_judge_tokenizer
+
+            check_judge_tokenizer(m.judge)
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    _check_tool_template(cfg)
+
+
+def _check_tool_template(cfg: TrainConfig) -> None:
+    """With ``rollout.tools``, a user's policy tokenizer renders a tool turn (a dummy call and
+    its answer) the way the agent loop will (the built-in tasks' templates are ppoflow's own)."""
+    folder = cfg.models.tokenizer or cfg.models.policy
+    if not cfg.rollout.tools or folder is None:
+        return
+    from transformers import AutoTokenizer
+
+    from infra.agent_loop import check_tool_template
+    from infra.tools import tool_schemas
+
+    setting = "models.tokenizer" if cfg.models.tokenizer is not None else "models.policy"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InputError(
+            f"{setting}={folder}: the tokenizer has no chat template, which rollout.tools needs "
+            "to render the tools and their answers; use a folder whose tokenizer_config.json "
+            "defines chat_template"
+        )
+    try:
+        check_tool_template(tokenizer, tool_schemas(cfg.rollout.tools) or [])
+    except ValueError as exc:
+        raise InputError(f"{setting}={folder}: {exc}") from None
 
 
 @dataclass

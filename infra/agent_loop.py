@@ -42,6 +42,7 @@ __all__ = [
     "ToolRunner",
     "Trajectory",
     "agent_metrics",
+    "check_tool_template",
     "final_answer",
     "parse_tool_calls",
     "run_agent_loop",
@@ -176,6 +177,30 @@ def tool_turn_ids(
     if eos_text and tail.startswith(eos_text):
         tail = tail[len(eos_text) :]
     return list(tokenizer.encode(tail, add_special_tokens=False))
+
+
+def check_tool_template(tokenizer: Tokenizer, tools: list[dict[str, Any]]) -> None:
+    """Render one tool turn as the loop does (``tool_turn_ids``): a user message, an assistant
+    turn that calls the first tool, its answer. Raises ``AgentTemplateError`` when the chat
+    template cannot."""
+    name = str(tools[0].get("function", tools[0]).get("name", "tool"))
+    call = json.dumps({"name": name, "arguments": {}})
+    conversation = [
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"role": "assistant", "content": f"<tool_call>{call}{TOOL_CALL_END}"},
+    ]
+    answer = [{"role": "tool", "name": name, "content": "tool answer 3"}]
+    eos = getattr(tokenizer, "eos_token", None)
+    try:
+        tool_turn_ids(tokenizer, conversation, answer, tools=tools, eos_text=eos if eos else None)
+    except AgentTemplateError:
+        raise
+    except Exception as exc:  # a template's own error (an unknown role, a raise_exception)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AgentTemplateError(
+            f"the chat template fails on a tool turn ({first}); use a template with a `tool` "
+            "role (Hermes/ChatML style) for rollout.tools"
+        ) from None
 
 
 def final_answer(messages: list[dict[str, Any]]) -> str:

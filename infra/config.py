@@ -264,6 +264,17 @@ class RolloutConfig(_Section):
         """Rollouts run the agent loop (``infra.agent_loop``): tools or several turns."""
         return self.max_turns > 1 or bool(self.tools)
 
+    @model_validator(mode="after")
+    def _tools_need_turns(self) -> RolloutConfig:
+        """A tool's answer comes back in a later turn: one turn never gets to use it."""
+        if self.tools and self.max_turns < 2:
+            raise ValueError(
+                f"rollout.tools names {len(self.tools)} tool(s) but rollout.max_turns="
+                f"{self.max_turns}: the rollout ends after the turn that calls a tool, so no "
+                "tool ever answers; set rollout.max_turns to 2 or more (or remove rollout.tools)"
+            )
+        return self
+
 
 class RewardFunctionConfig(_Section):
     """One reward function with verl's signature
@@ -1078,7 +1089,15 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             raise ConfigError(
                 f"override {item!r} is not of the form key=value (e.g. trainer.total_steps=20)"
             )
-        _set_path(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(
+                f"override {item!r}: the value of {key.strip()} is not valid YAML ({problem}); "
+                "close its brackets and quotes, or quote the whole value as a string"
+            ) from None
+        _set_path(tree, key.strip(), value)
     return tree
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "JudgeParseError",
     "JudgeScores",
     "JudgeTemplateError",
+    "check_judge_tokenizer",
     "check_template",
     "judge_scores",
     "last_number",
@@ -96,7 +97,8 @@ BUILTIN_PARSERS: dict[str, ParseFn] = {"yes_no": yes_no, "last_number": last_num
 
 
 class JudgeTemplateError(ValueError):
-    """``reward.judge.template`` is missing, does not compile, or does not render."""
+    """``reward.judge.template`` is missing, does not compile, or does not render; or the judge
+    tokenizer's chat template (``models.judge``) is missing or fails."""
 
 
 class JudgeParseError(RuntimeError):
@@ -175,6 +177,29 @@ def check_template(template: str) -> None:
             f"{TEMPLATE_SETTING}: the template renders an empty message; it must write the "
             "judge's question (use {{ question }} and {{ response }})"
         )
+
+
+def check_judge_tokenizer(model_path: str | Path) -> None:
+    """The judge's tokenizer has a chat template that renders one user message with the
+    generation prompt (what ``Judge.prompt_ids`` asks of it). Raises ``JudgeTemplateError``
+    naming ``models.judge``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    fix = "use a judge folder whose tokenizer_config.json defines chat_template"
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise JudgeTemplateError(
+            f"models.judge={model_path}: its tokenizer has no chat template, which renders "
+            f"the judge's message (reward.judge.template) as a user turn; {fix}"
+        )
+    message = [{"role": "user", "content": "Is 1 + 2 = 3 right?"}]
+    try:
+        tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # the template's own error, whatever its type
+        raise JudgeTemplateError(
+            f"models.judge={model_path}: its chat template fails on one user message "
+            f"({_one_line(str(exc)) or type(exc).__name__}); {fix}"
+        ) from None
 
 
 def question_text(raw_prompt: Any) -> str:

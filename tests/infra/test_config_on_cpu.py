@@ -63,6 +63,26 @@ def test_malformed_override_is_a_config_error() -> None:
         load_config(None, ["trainer.total_steps"])
 
 
+@pytest.mark.parametrize("override", ["rollout.tools=[a", "a=b: c: d", 'name="open'])
+def test_an_override_whose_value_is_not_yaml_is_one_line_naming_it(override: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    message = str(err.value)
+    key = override.partition("=")[0]
+    assert message.startswith(f"override {override!r}: the value of {key} is not valid YAML (")
+    assert "quote the whole value" in message and "\n" not in message
+
+
+def test_tools_without_a_second_turn_are_refused_naming_max_turns() -> None:
+    tools = "rollout.tools=[{path: tools.py, name: add}]"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [tools])
+    message = str(err.value)
+    assert "rollout.max_turns=1" in message and "set rollout.max_turns to 2 or more" in message
+    assert "\n" not in message
+    assert load_config(None, [tools, "rollout.max_turns=2"]).rollout.multi_turn
+
+
 def test_batch_must_split_over_workers() -> None:
     with pytest.raises(ConfigError, match="num_workers"):
         load_config(None, ["rollout.prompts_per_step=3", "rollout.n=1", "resources.num_workers=2"])
