@@ -46,8 +46,8 @@ def test_the_phase_artifact_ends_at_100(prefect_harness: None) -> None:
 
 
 def test_the_sft_loop_reports_each_step(assets, tmp_path: Path) -> None:
-    from infra.pretrain import SFTSettings, sft_warmstart
     from infra.config import WarmstartConfig
+    from infra.pretrain import SFTSettings, sft_warmstart
 
     calls: list[tuple[int, int]] = []
     settings = SFTSettings.from_config(WarmstartConfig(sft_steps=3))

@@ -50,21 +50,27 @@ def test_in_the_loop_the_first_signal_waits_for_the_safe_point() -> None:
 
 
 def test_a_second_signal_stops_at_once() -> None:
-    with pytest.raises(stopping.RunStopped) as stop:
-        with stopping.signals(grace_s=60), stopping.safe_points():
-            _send(signal.SIGINT)
-            _send(signal.SIGINT)
+    with (
+        pytest.raises(stopping.RunStopped) as stop,
+        stopping.signals(grace_s=60),
+        stopping.safe_points(),
+    ):
+        _send(signal.SIGINT)
+        _send(signal.SIGINT)
     assert stop.value.exit_code == 130
     assert stop.value.checkpoint is None
 
 
 def test_past_the_grace_period_the_step_is_interrupted() -> None:
     started = time.monotonic()
-    with pytest.raises(stopping.RunStopped) as stop:
-        with stopping.signals(grace_s=0.2), stopping.safe_points():
-            _send(signal.SIGTERM)
-            while time.monotonic() - started < 30:  # a step that does not end
-                time.sleep(0.01)
+    with (
+        pytest.raises(stopping.RunStopped) as stop,
+        stopping.signals(grace_s=0.2),
+        stopping.safe_points(),
+    ):
+        _send(signal.SIGTERM)
+        while time.monotonic() - started < 30:  # a step that does not end
+            time.sleep(0.01)
     assert stop.value.signum == signal.SIGTERM
 
 
