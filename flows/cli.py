@@ -58,12 +58,23 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _preflight(cfg: TrainConfig) -> None:
-    """What the flow checks first, done before Prefect and Ray start: inputs, and the prompts of
-    a user's dataset rendered with a user's tokenizer (the built-in task's come with its assets)."""
+    """What the flow checks first, done before Prefect and Ray start: inputs, the run folder
+    (flows.run_record: refused, or moved aside with trainer.resume=never), and the prompts of a
+    user's dataset rendered with a user's tokenizer (the built-in task's come with its assets)."""
     from flows.inputs import check_inputs, load_datasets
     from flows.reward_model import resolve_models
+    from flows.run_record import check_run_dir, check_warm_start
 
     check_inputs(cfg)
+    aside = check_run_dir(cfg)
+    if aside is not None:
+        print(
+            f"ppoflow: trainer.resume=never: the run that was in {cfg.resolved_run_dir} is now "
+            f"in {aside}",
+            file=sys.stderr,
+            flush=True,
+        )
+    check_warm_start(cfg)
     if cfg.data.builtin or cfg.models.policy is None:
         return
     from transformers import AutoTokenizer

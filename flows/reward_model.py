@@ -4,8 +4,10 @@ pairs derived from the rule, reporting each one's held-out pair accuracy.
 
 Outputs land in ``<run_dir>/warmstart/{sft,reward_model}`` (ensemble members after the first in
 ``reward_model_<k>``), with the warm start's numbers in ``<run_dir>/warmstart/report.json``; a
-finished stage is not redone, so a resumed or re-scheduled run reuses them. The warm start belongs to the built-in addition task
-(``TrainConfig.warm_start``): a user's policy or dataset never goes through it, and
+finished stage is not redone, so a resumed or re-scheduled run reuses them, and only when the
+settings recorded beside it (``settings.json``, ``flows.run_record``) are the run's. The warm
+start belongs to the built-in addition task (``TrainConfig.warm_start``): a user's policy or
+dataset never goes through it, and
 ``resolve_models`` then only fills in the defaults (reference = policy, tokenizer = the policy's).
 """
 
@@ -24,6 +26,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows.run_record import check_part, record_part, reward_model_settings, sft_settings
 from infra.config import TrainConfig
 
 
@@ -71,14 +74,20 @@ def build_assets(cfg: TrainConfig) -> dict[str, str]:
     return {k: str(v) for k, v in asdict(paths).items()}
 
 
-def _train_once(out: Path, train: Callable[..., Any], **kwargs: Any) -> dict[str, float]:
-    """Run ``train(out_path=out, **kwargs)`` unless ``out/report.json`` says it already ran;
-    the report's numbers are kept there so a resumed or re-scheduled run reuses the model."""
+def _train_once(
+    out: Path, train: Callable[..., Any], *, made_with: dict[str, Any], run_dir: Path, **kwargs: Any
+) -> dict[str, float]:
+    """Run ``train(out_path=out, **kwargs)`` unless ``out/report.json`` says it already ran with
+    the settings ``made_with`` (its record beside the report, ``flows.run_record.check_part``:
+    other settings are refused, never reused); the report's numbers are kept there so a resumed
+    or re-scheduled run reuses the model."""
     path = out / "report.json"
     if path.exists():
+        check_part(out, made_with, run_dir)
         return dict(json.loads(path.read_text()))
     report = train(out_path=out, **kwargs)
     result = {k: float(v) for k, v in asdict(report).items() if isinstance(v, int | float)}
+    record_part(out, made_with)
     path.write_text(json.dumps(result))
     return result
 
@@ -125,6 +134,8 @@ def sft(cfg: TrainConfig, assets: dict[str, str], out: Path) -> dict[str, float]
     return _train_once(
         out,
         agent_warmstart if cfg.data.builtin_task == "agent" else sft_warmstart,
+        made_with=sft_settings(cfg),
+        run_dir=cfg.resolved_run_dir,
         policy_path=Path(assets["policy"]),
         settings=settings,
         seed=cfg.seed,
@@ -152,6 +163,8 @@ def reward_model(
     return _train_once(
         out,
         _in_own_process(train_reward_model, threads) if own_process else train_reward_model,
+        made_with=reward_model_settings(cfg),
+        run_dir=cfg.resolved_run_dir,
         init_path=sft_dir,
         settings=settings,
         seed=cfg.seed,

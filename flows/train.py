@@ -1,6 +1,7 @@
 """The PPO training flow: ``ppo_train(config)``.
 
-1. Check the inputs (model folders, datasets, reward functions); resolve the models (on the
+1. Check the inputs (model folders, datasets, reward functions) and the run folder (a run_dir
+   holding a run with other settings is refused; ``flows.run_record``); resolve the models (on the
    built-in task the reward-model subflow builds tiny assets, warm-starts the policy and trains
    a reward model); render every prompt (``data.max_prompt_length``) — all before any resource.
 2. Start/attach Ray, reserve resource pools, start the workers (all models asleep), open the store.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
 from prefect import flow, get_run_logger
 from transformers import AutoTokenizer
 
@@ -24,6 +24,7 @@ from flows.inputs import check_inputs, load_datasets
 from flows.loop import Trainer
 from flows.plot import plot_run
 from flows.reward_model import reward_model_flow
+from flows.run_record import check_run_dir, check_warm_start, write_record
 from flows.runtime import build_runtime
 from infra.config import TrainConfig
 from infra.reward_model import reward_model_paths
@@ -41,12 +42,14 @@ def ppo_train(config: TrainConfig = TrainConfig()) -> dict[str, Any]:  # noqa: B
 def _train(cfg: TrainConfig) -> dict[str, Any]:
     logger = get_run_logger()
     run_dir = cfg.resolved_run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(
-        yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    )
-    # 1. Inputs, models, prompts.
+    # 1. Inputs; the run folder (refused, or moved aside: flows.run_record) and its record;
+    # models, prompts.
     check_inputs(cfg)
+    aside = check_run_dir(cfg)
+    if aside is not None:
+        logger.info("trainer.resume=never: the run that was in %s is now in %s", run_dir, aside)
+    check_warm_start(cfg)
+    write_record(cfg)
     models = reward_model_flow(cfg)
     tokenizer = AutoTokenizer.from_pretrained(models.tokenizer)
     datasets = load_datasets(cfg, models, tokenizer)

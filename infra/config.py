@@ -762,6 +762,60 @@ def _default_loggers() -> list[Logger]:
     return ["jsonl"]
 
 
+# Settings a run may change when it continues in its run_dir (trainer.resume=auto): they extend
+# it, observe it, or say where and on how many processes it runs, never what it computes (the
+# generation seeds do not depend on evaluation or validation). A dotted prefix covers its whole
+# section. Every other setting changes the result, so a run_dir holding a run started with
+# another value of one of them is refused (flows.run_record). trainer.total_steps may go down
+# no lower than the steps the run's latest checkpoint holds. resources.num_workers and
+# rollout_workers reshard the checkpoint (docs/your-own-model.md).
+MAY_CHANGE_ON_RESUME: tuple[str, ...] = (
+    "name",
+    "run_dir",
+    "models.assets_dir",  # where the tiny assets are: a folder per seed, rebuilt when unlike
+    "warmstart.rm_workers",  # members train as they would alone
+    "rollout.gpu_memory_utilization",
+    "rollout.cpu_kv_cache_gib",
+    "rollout.enforce_eager",
+    "rollout.sync_check",
+    "rollout.sync_tolerance",
+    "rollout.val_temperature",
+    "rollout.val_n",
+    "rollout.tool_workers",
+    "data.val_files",
+    "data.val_max_samples",
+    "reward.function_workers",
+    "reward.pool",
+    "actor.gradient_checkpointing",
+    "critic.gradient_checkpointing",
+    "resources.ray_address",
+    "resources.num_cpus",
+    "resources.num_workers",
+    "resources.rollout_workers",
+    "resources.accelerator_resource",
+    "resources.threads_per_worker",
+    "store",
+    "orchestration",
+    "trainer.total_steps",
+    "trainer.max_restarts",
+    "trainer.max_seconds",
+    "trainer.stop_grace_s",
+    "trainer.eval_every",
+    "trainer.eval_prompts",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.resume",
+    "trainer.steps_per_run",
+    "trainer.progress_bar",
+    "trainer.loggers",
+    "trainer.alerts",
+    "trainer.artifact_interval_s",
+    "trainer.save_samples",
+    "trainer.samples_per_step",
+    "faults",
+)
+
+
 class TrainerConfig(_Section):
     total_steps: int = Field(55, ge=1, description="RL iterations.")
     max_restarts: int = Field(
@@ -778,7 +832,14 @@ class TrainerConfig(_Section):
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint every N steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1)
     resume: Literal["auto", "never"] = Field(
-        "auto", description="'auto' continues from the latest checkpoint in run_dir."
+        "auto",
+        description=(
+            "'auto' continues the run in run_dir from its latest checkpoint; a run_dir holding "
+            "a run started with other settings is refused, except for these, which may change: "
+            + ", ".join(MAY_CHANGE_ON_RESUME)
+            + " (trainer.total_steps no lower than the steps already run). 'never' moves "
+            "whatever run_dir holds to <run_dir>.old-<N> (the first free N) and starts over."
+        ),
     )
     steps_per_run: int | None = Field(
         None,

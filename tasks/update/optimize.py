@@ -39,8 +39,8 @@ from tasks.batching import (
 from tasks.kl import KL_PENALTIES, kl_penalty
 from tasks.update.core import (
     AGGREGATIONS,
+    PolicyLossSettings,
     actor_loss,
-    check_dual_clip,
     count_loss_units,
     entropy_from_logits,
     value_loss,
@@ -96,8 +96,13 @@ class ActorUpdateSettings:
     max_tokens_per_micro_batch: when set, each mini-batch's rows are instead sorted by length
         and packed into micro-batches of ≤ this many padded tokens (rows × longest row; see
         `tasks.batching.token_micro_batches`), and micro_batch_size is not used for the split;
-    clip_low / clip_high: ratio clipped to [1 − clip_low, 1 + clip_high];
-    dual_clip: cap for negative advantages (> 1, None = off); agg: loss aggregation mode;
+    policy_loss: the policy loss, a `tasks.update.core.POLICY_LOSSES` name, with its settings:
+        clip_low / clip_high: ``ppo``'s ratio clipped to [1 − clip_low, 1 + clip_high];
+        dual_clip: ``ppo``'s cap for negative advantages (> 1, None = off);
+        gspo_clip_low / gspo_clip_high: ``gspo``'s clip of the sequence ratio;
+        cispo_clip_low (None = no bound) / cispo_clip_high: ``cispo``'s clip of the weight;
+        sapo_tau_pos / sapo_tau_neg: ``sapo``'s gate temperatures;
+    agg: loss aggregation mode;
     entropy_coef: entropy bonus weight; kl_loss_coef / kl_loss_kind: KL-to-reference loss;
     max_grad_norm: clip the global grad norm (None = no clipping);
     temperature: logits are divided by it (match the rollout's sampling temperature);
@@ -113,9 +118,16 @@ class ActorUpdateSettings:
     mini_batch_size: int
     micro_batch_size: int
     max_tokens_per_micro_batch: int | None
+    policy_loss: str
     clip_low: float
     clip_high: float
     dual_clip: float | None
+    gspo_clip_low: float
+    gspo_clip_high: float
+    cispo_clip_low: float | None
+    cispo_clip_high: float
+    sapo_tau_pos: float
+    sapo_tau_neg: float
     agg: str
     entropy_coef: float
     kl_loss_coef: float
@@ -147,9 +159,25 @@ class ActorUpdateSettings:
             raise ValueError(
                 f"kl_loss_kind {self.kl_loss_kind!r} is not one of {sorted(KL_PENALTIES)}"
             )
-        check_dual_clip(self.dual_clip)
+        _ = self.policy_loss_settings  # building them checks the policy loss and its settings
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    @property
+    def policy_loss_settings(self) -> PolicyLossSettings:
+        """The policy loss and its settings, as `tasks.update.core.actor_loss` takes them."""
+        return PolicyLossSettings(
+            policy_loss=self.policy_loss,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            gspo_clip_low=self.gspo_clip_low,
+            gspo_clip_high=self.gspo_clip_high,
+            cispo_clip_low=self.cispo_clip_low,
+            cispo_clip_high=self.cispo_clip_high,
+            sapo_tau_pos=self.sapo_tau_pos,
+            sapo_tau_neg=self.sapo_tau_neg,
+        )
 
     @property
     def gradient_accumulation(self) -> int:
@@ -355,9 +383,7 @@ def _actor_micro_step(
         is_weights=is_weights,
         entropy=entropy,
         ref_logprobs=mb_tensors.get("ref_logprobs"),
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip,
+        policy=cfg.policy_loss_settings,
         agg=cfg.agg,
         entropy_coef=cfg.entropy_coef,
         kl_loss_coef=cfg.kl_loss_coef,

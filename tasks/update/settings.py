@@ -23,19 +23,27 @@ def _per_worker(opt: OptimConfig, world: int) -> dict[str, int]:
 def actor_settings(
     cfg: TrainConfig, world: int, plan: StepPlan | None = None
 ) -> ActorUpdateSettings:
-    """One worker's actor update, every field from ``cfg``: ``actor.*``, the entropy and KL
-    loss of ``algorithm.*``, and the rollout's sampling temperature (greedy, 0, divides the
-    logits by 1); the off-policy correction and which field is π_old from the step ``plan``
-    (None: ``cfg``'s). Rows keep their order (no shuffle): each mini-batch's loss denominator is
-    summed over the workers, which needs the same rows in it on every worker."""
+    """One worker's actor update, every field from ``cfg``: ``actor.*`` (the policy loss and its
+    settings included), the entropy and KL loss of ``algorithm.*``, and the rollout's sampling
+    temperature (greedy, 0, divides the logits by 1); the off-policy correction and which field
+    is π_old from the step ``plan`` (None: ``cfg``'s). Rows keep their order (no shuffle): each
+    mini-batch's loss denominator is summed over the workers, which needs the same rows in it on
+    every worker."""
     opt, algo = cfg.actor, cfg.algorithm
     plan = StepPlan.from_config(cfg) if plan is None else plan
     correction = algo.rollout_correction
     return ActorUpdateSettings(
         **_per_worker(opt, world),
+        policy_loss=opt.policy_loss,
         clip_low=opt.clip_low,
         clip_high=opt.clip_high,
         dual_clip=opt.dual_clip,
+        gspo_clip_low=opt.gspo_clip_low,
+        gspo_clip_high=opt.gspo_clip_high,
+        cispo_clip_low=opt.cispo_clip_low,
+        cispo_clip_high=opt.cispo_clip_high,
+        sapo_tau_pos=opt.sapo_tau_pos,
+        sapo_tau_neg=opt.sapo_tau_neg,
         agg=opt.loss_agg,
         entropy_coef=algo.entropy_coef,
         kl_loss_coef=algo.kl.loss_coef,

@@ -18,7 +18,10 @@ from tasks.update import (
     ActorUpdateSettings,
     CriticUpdateSettings,
     actor_loss,
+    cispo_policy_loss,
+    gspo_policy_loss,
     ppo_policy_loss,
+    sapo_policy_loss,
     value_loss,
 )
 from tasks.update.stage import actor_settings, critic_settings
@@ -35,6 +38,13 @@ CHANGED = [
     "algorithm.rollout_correction.low=0.25",
     "algorithm.rollout_correction.high=4.0",
     "algorithm.old_logprobs=rollout",
+    "actor.policy_loss=sapo",
+    "actor.gspo_clip_low=1e-3",
+    "actor.gspo_clip_high=2e-3",
+    "actor.cispo_clip_low=0.5",
+    "actor.cispo_clip_high=4.0",
+    "actor.sapo_tau_pos=0.5",
+    "actor.sapo_tau_neg=2.0",
     "warmstart.sft_steps=11",
     "warmstart.sft_max_seconds=5",
     "warmstart.rm_steps=7",
@@ -82,9 +92,16 @@ def test_actor_settings_are_the_configs_values(cfg: TrainConfig) -> None:
         "mini_batch_size": opt.mini_batch_size,
         "micro_batch_size": opt.micro_batch_size,
         "max_tokens_per_micro_batch": opt.max_tokens_per_micro_batch,
+        "policy_loss": opt.policy_loss,
         "clip_low": opt.clip_low,
         "clip_high": opt.clip_high,
         "dual_clip": opt.dual_clip,
+        "gspo_clip_low": opt.gspo_clip_low,
+        "gspo_clip_high": opt.gspo_clip_high,
+        "cispo_clip_low": opt.cispo_clip_low,
+        "cispo_clip_high": opt.cispo_clip_high,
+        "sapo_tau_pos": opt.sapo_tau_pos,
+        "sapo_tau_neg": opt.sapo_tau_neg,
         "agg": opt.loss_agg,
         "entropy_coef": algo.entropy_coef,
         "kl_loss_coef": algo.kl.loss_coef,
@@ -157,7 +174,17 @@ def test_settings_classes_have_no_defaults_of_their_own(settings: type) -> None:
     assert defaulted == []
 
 
-@pytest.mark.parametrize("loss", [ppo_policy_loss, value_loss, actor_loss])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        ppo_policy_loss,
+        gspo_policy_loss,
+        cispo_policy_loss,
+        sapo_policy_loss,
+        value_loss,
+        actor_loss,
+    ],
+)
 def test_loss_settings_are_required_keywords(loss: Callable[..., Any]) -> None:
     optional = {
         name

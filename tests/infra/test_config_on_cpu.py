@@ -50,6 +50,20 @@ def test_bad_values_name_the_field(override: str, names: str) -> None:
         load_config(None, [override])
 
 
+def test_an_unknown_policy_loss_is_one_line_naming_the_key_and_the_choices() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["actor.policy_loss=grpo"])
+    message = str(err.value)
+    assert "actor.policy_loss" in message and "'gspo'" in message and "\n" not in message
+
+
+def test_the_policy_loss_presets_take_several_steps_per_batch() -> None:
+    for name in ("gspo", "cispo"):
+        cfg = load_config(name)
+        assert cfg.actor.policy_loss == name
+        assert cfg.actor.mini_batch_size < cfg.batch_size  # the ratio moves, the clip can act
+
+
 def test_separate_async_takes_a_colocated_or_an_own_reward_pool() -> None:
     """separate_async: ``colocated`` puts the reward model on the training pool, beside the
     trainer; ``own`` gives it a pool of its own."""

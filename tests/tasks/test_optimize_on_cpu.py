@@ -110,9 +110,16 @@ def actor_settings(agg: str, micro: int, mini: int = 8, **extra: object) -> Acto
         "mini_batch_size": mini,
         "micro_batch_size": micro,
         "max_tokens_per_micro_batch": None,
+        "policy_loss": "ppo",
         "clip_low": 0.2,
         "clip_high": 0.28,
         "dual_clip": 3.0,
+        "gspo_clip_low": 3e-4,
+        "gspo_clip_high": 4e-4,
+        "cispo_clip_low": None,
+        "cispo_clip_high": 0.2,
+        "sapo_tau_pos": 1.0,
+        "sapo_tau_neg": 1.05,
         "agg": agg,
         "entropy_coef": 0.01,
         "kl_loss_coef": 0.1,
@@ -200,6 +207,29 @@ def test_actor_micro_batch_split_invariant(agg: str) -> None:
     ):
         assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-10), key
     assert 0.0 < metrics_a["actor/pg_clipfrac"] < 1.0  # the clip was exercised
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo"])
+def test_every_policy_loss_takes_the_same_steps_in_any_micro_batch_split(policy_loss: str) -> None:
+    # As the test above for ppo: GSPO's row ratio, CISPO's weight and SAPO's gate are per row,
+    # so micro-batch 1 × accumulation 8 and 8 × 1 take the same steps.
+    batch = make_batch(2)
+    reference = tiny_policy(seed=2)
+    inputs = actor_inputs(reference, batch, seed=3)
+    wide = {"gspo_clip_low": 0.05, "gspo_clip_high": 0.05}  # some rows in, some out of the clip
+    results = []
+    for micro in (1, 8):
+        model = copy.deepcopy(reference)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        cfg = actor_settings("seq-mean-token-mean", micro, policy_loss=policy_loss, **wide)
+        metrics = actor_update(model=model, optimizer=optimizer, batch=batch, cfg=cfg, **inputs)
+        results.append((model, metrics))
+    (model_a, metrics_a), (model_b, metrics_b) = results
+    assert not torch.equal(next(model_a.parameters()), next(reference.parameters()))
+    assert_same_parameters(model_a, model_b, atol=1e-10)
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm"):
+        assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-10), key
+    assert 0.0 < metrics_a["actor/pg_clipfrac"] < 1.0  # the clip (or gate) was exercised
 
 
 def summing_reducers(world: int) -> list[Callable[[nn.Module], None]]:

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from tasks.update import (
     AGGREGATIONS,
+    PolicyLossSettings,
     actor_loss,
     aggregate_loss,
     count_loss_units,
@@ -20,6 +21,17 @@ from tasks.update import (
 
 # The symmetric clip of the hand-worked examples (PPO's 0.2) with a dual clip of 3.
 CLIP = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0}
+# actor_loss's policy loss: PPO with CLIP (the other losses' settings are not read).
+PPO = PolicyLossSettings(
+    policy_loss="ppo",
+    **CLIP,
+    gspo_clip_low=3e-4,
+    gspo_clip_high=4e-4,
+    cispo_clip_low=None,
+    cispo_clip_high=0.2,
+    sapo_tau_pos=1.0,
+    sapo_tau_neg=1.05,
+)
 
 # ----------------------------------------------------------------------------- references
 
@@ -290,7 +302,7 @@ def test_actor_loss_combines_terms() -> None:
         **inputs,
         entropy=entropy,
         ref_logprobs=ref,
-        **CLIP,
+        policy=PPO,
         entropy_coef=0.01,
         kl_loss_coef=0.5,
         kl_loss_kind="k2",
@@ -310,7 +322,7 @@ def test_actor_loss_combines_terms() -> None:
     with pytest.raises(ValueError, match="entropy_coef"):
         actor_loss(
             **inputs,
-            **CLIP,
+            policy=PPO,
             agg="token-mean",
             entropy_coef=0.1,
             kl_loss_coef=0.0,
@@ -319,7 +331,7 @@ def test_actor_loss_combines_terms() -> None:
     with pytest.raises(ValueError, match="ref_logprobs"):
         actor_loss(
             **inputs,
-            **CLIP,
+            policy=PPO,
             agg="token-mean",
             entropy_coef=0.0,
             kl_loss_coef=0.1,
