@@ -32,6 +32,7 @@ LOGGER_EXTRAS = ("tensorboard", "wandb", "mlflow")
 Mode = Literal["sync", "colocate_async", "separate_async"]
 Strategy = Literal["fsdp2", "none"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+PolicyLossKind = Literal["ppo", "gspo", "cispo", "sapo"]
 KLKind = Literal["k1", "abs", "k2", "k3"]
 CorrectionMode = Literal[
     "auto",
@@ -624,9 +625,69 @@ class LoraConfig(_Section):
 
 
 class ActorOptimConfig(OptimConfig):
-    """The actor's optimisation: as the critic's, plus LoRA."""
+    """The actor's optimisation: as the critic's, plus LoRA and the policy loss."""
 
     lora: LoraConfig | None = Field(None, description="LoRA adapters (None = full fine-tuning).")
+    policy_loss: PolicyLossKind = Field(
+        "ppo",
+        description=(
+            "The policy loss: 'ppo' (the clipped token ratio: clip_low, clip_high, dual_clip); "
+            "'gspo' (one ratio per sequence, the geometric mean of its token ratios, clipped per "
+            "sequence: gspo_clip_*; Zheng et al. 2025, arXiv:2507.18071); 'cispo' (the clipped "
+            "importance weight, detached, times the log-prob, so every token keeps a gradient: "
+            "cispo_clip_*; MiniMax-M1, arXiv:2506.13585); 'sapo' (a smooth sigmoid gate of the "
+            "ratio in place of the clip: sapo_tau_*; Gao et al. 2025, arXiv:2511.20347)."
+        ),
+    )
+    gspo_clip_low: float = Field(
+        3e-4,
+        ge=0,
+        description=(
+            "GSPO: sequence ratio clipped below 1 - this (3e-4: the GSPO paper, "
+            "arXiv:2507.18071 v2 sec. 5.1; verl examples/gspo_trainer)."
+        ),
+    )
+    gspo_clip_high: float = Field(
+        4e-4,
+        ge=0,
+        description=(
+            "GSPO: sequence ratio clipped above 1 + this (4e-4: the GSPO paper, "
+            "arXiv:2507.18071 v2 sec. 5.1; verl examples/gspo_trainer)."
+        ),
+    )
+    cispo_clip_low: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "CISPO: importance weight clipped below 1 - this; None = no lower bound, as "
+            "MiniMax-M1 trains (arXiv:2506.13585)."
+        ),
+    )
+    cispo_clip_high: float = Field(
+        0.2,
+        ge=0,
+        description=(
+            "CISPO: importance weight clipped above 1 + this (0.2: verl "
+            "examples/cispo_trainer; MiniMax-M1 tunes it without publishing a value; TRL's "
+            "ScaleRL setting, arXiv:2510.13786, caps the weight at 5, i.e. 4.0)."
+        ),
+    )
+    sapo_tau_pos: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "SAPO: gate temperature for tokens with a positive advantage (1.0: the SAPO paper, "
+            "arXiv:2511.20347; verl actor.tau_pos, TRL sapo_temperature_pos)."
+        ),
+    )
+    sapo_tau_neg: float = Field(
+        1.05,
+        gt=0,
+        description=(
+            "SAPO: gate temperature for the other tokens, a steeper gate than tau_pos (1.05: "
+            "the SAPO paper, arXiv:2511.20347; verl actor.tau_neg, TRL sapo_temperature_neg)."
+        ),
+    )
 
 
 class LogprobsConfig(_Section):
