@@ -66,7 +66,7 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise InputError(MISSING.replace("rollout.engine", setting))
 
     m = cfg.models
-    for setting in ("policy", "tokenizer", "reference", "critic", "judge"):
+    for setting in ("policy", "tokenizer", "reference", "critic", "judge", "teacher"):
         _check_folder(f"models.{setting}", getattr(m, setting))
     ensemble = isinstance(m.reward_model, list)
     for index, path in enumerate(m.reward_models):
@@ -93,6 +93,38 @@ def check_inputs(cfg: TrainConfig) -> None:
     except ValueError as exc:
         raise InputError(str(exc)) from None
     _check_tool_template(cfg)
+    policy_tokenizer = m.tokenizer or m.policy
+    if m.teacher is not None and policy_tokenizer is not None:
+        check_teacher_vocabulary(m.teacher, policy_tokenizer)
+
+
+def check_teacher_vocabulary(teacher: str | Path, tokenizer: str | Path) -> None:
+    """The distillation teacher scores the student's token ids, so it must share the policy's
+    vocabulary: its own tokenizer (when its folder has one) maps every token to the same id as
+    the policy's ``tokenizer``, and its output layer covers them all. Raises InputError naming
+    both."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    policy = AutoTokenizer.from_pretrained(tokenizer)
+    size = getattr(AutoConfig.from_pretrained(teacher), "vocab_size", None)
+    if size is not None and size < len(policy):
+        raise InputError(
+            f"models.teacher={teacher} has {size} output tokens, fewer than the {len(policy)} of "
+            f"the policy's tokenizer {tokenizer}: the teacher must use the policy's vocabulary"
+        )
+    try:
+        own = AutoTokenizer.from_pretrained(teacher)
+    except (OSError, ValueError):
+        return  # no tokenizer in the teacher's folder: the policy's is the one it was made with
+    if own.get_vocab() != policy.get_vocab():
+        theirs, ours = own.get_vocab(), policy.get_vocab()
+        differ = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda kv: kv[1])[:1]
+        example = f" (e.g. token {differ[0][0]!r})" if differ else ""
+        raise InputError(
+            f"models.teacher={teacher} has another vocabulary ({len(theirs)} tokens) than the "
+            f"policy's tokenizer {tokenizer} ({len(ours)} tokens){example}: on-policy "
+            "distillation needs a teacher with the policy's tokenizer"
+        )
 
 
 def _check_tool_template(cfg: TrainConfig) -> None:

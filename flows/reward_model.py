@@ -26,8 +26,10 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows.progress import LINE_INTERVAL_S, phase_progress
 from flows.run_record import check_part, record_part, reward_model_settings, sft_settings
 from infra.config import TrainConfig
+from infra.progress import LineProgress
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class ResolvedModels:
     reward_model: str | tuple[str, ...] | None
     critic: str | None
     judge: str | None = None
+    teacher: str | None = None  # on-policy distillation's (``algorithm.distill``)
     train_data: str | None = None
     heldout_data: str | None = None
     sft_accuracy: float | None = None
@@ -139,6 +142,7 @@ def sft(cfg: TrainConfig, assets: dict[str, str], out: Path) -> dict[str, float]
         policy_path=Path(assets["policy"]),
         settings=settings,
         seed=cfg.seed,
+        progress=phase_progress(cfg, "warm start: SFT steps", "warmstart-sft"),
         **_data_paths(assets),
     )
 
@@ -160,6 +164,7 @@ def reward_model(
 
     settings = RewardModelSettings.from_config(cfg.warmstart)
     threads = cfg.resources.threads_per_worker
+    label = f"warm start: reward model {member} steps"
     return _train_once(
         out,
         _in_own_process(train_reward_model, threads) if own_process else train_reward_model,
@@ -169,6 +174,12 @@ def reward_model(
         settings=settings,
         seed=cfg.seed,
         member=member,
+        # A reward model in a process of its own prints its lines there.
+        progress=(
+            LineProgress(label, interval_s=LINE_INTERVAL_S)
+            if own_process
+            else phase_progress(cfg, label, f"warmstart-reward-model-{member}")
+        ),
         **_data_paths(assets),
     )
 
@@ -203,6 +214,7 @@ def resolve_models(
         reward_model=reward_model,
         critic=str(m.critic) if m.critic else None,
         judge=str(m.judge) if m.judge else None,
+        teacher=str(m.teacher) if m.teacher else None,
         train_data=assets["train_data"] if assets and cfg.data.builtin else None,
         heldout_data=assets["heldout_data"] if assets and cfg.data.builtin else None,
     )

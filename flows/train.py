@@ -20,12 +20,13 @@ from transformers import AutoTokenizer
 
 from flows import stopping
 from flows.deploy import effective_config, flow_run_name
-from flows.inputs import check_inputs, load_datasets
+from flows.inputs import check_inputs, check_teacher_vocabulary, load_datasets
 from flows.loop import Trainer
 from flows.plot import plot_run
 from flows.reward_model import reward_model_flow
 from flows.run_record import check_run_dir, check_warm_start, write_record
 from flows.runtime import build_runtime
+from flows.teacher import with_teacher
 from infra.config import TrainConfig
 from infra.reward_model import reward_model_paths
 
@@ -50,7 +51,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         logger.info("trainer.resume=never: the run that was in %s is now in %s", run_dir, aside)
     check_warm_start(cfg)
     write_record(cfg)
-    models = reward_model_flow(cfg)
+    models = with_teacher(cfg, reward_model_flow(cfg), ppo_train)
+    if models.teacher is not None:  # the built-in task's tokenizer exists from here on
+        check_teacher_vocabulary(models.teacher, models.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(models.tokenizer)
     datasets = load_datasets(cfg, models, tokenizer)
     changed = {

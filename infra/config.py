@@ -96,6 +96,16 @@ class ModelsConfig(_Section):
             "judge. Needs reward.judge (its template and parser)."
         ),
     )
+    teacher: Path | None = Field(
+        None,
+        description=(
+            "On-policy distillation's teacher (algorithm.distill): a causal-LM folder with the "
+            "policy's vocabulary. It scores the student's sampled tokens in the score stage, "
+            "where the reward model would (reward.pool), asleep otherwise. None with "
+            "algorithm.distill.coef > 0 on the built-in task: the warm start trains one "
+            "(warmstart.teacher)."
+        ),
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description=(
@@ -132,6 +142,15 @@ class WarmstartConfig(_Section):
     )
     sft_steps: int = Field(4000, ge=0, description="SFT optimizer steps.")
     sft_max_seconds: float | None = Field(None, gt=0, description="Wall-clock cap on SFT.")
+    teacher: str | None = Field(
+        None,
+        description=(
+            "On-policy distillation without models.teacher: the preset (or YAML file) whose run, "
+            "from this run's SFT policy with its seed, trains the teacher in "
+            "<run_dir>/warmstart/teacher before the RL steps (e.g. 'dapo': GRPO with the exact "
+            "rule); its final policy becomes models.teacher."
+        ),
+    )
     rm_steps: int = Field(2000, ge=0, description="Optimizer steps of each reward model.")
     rm_max_seconds: float | None = Field(
         None, gt=0, description="Wall-clock cap on reward-model training."
@@ -465,6 +484,32 @@ class FilterGroupsConfig(_Section):
     max_rounds: int = Field(4, ge=1, description="Generation rounds per step at most.")
 
 
+class DistillConfig(_Section):
+    """On-policy distillation: the student (the policy) samples, the teacher (models.teacher)
+    scores each sampled token, and the per-token reverse KL log pi_teacher(y_t) - log
+    pi_student(y_t) is the signal (Agarwal et al. 2024, arXiv:2306.13649; Lu and Thinking
+    Machines Lab 2025, "On-Policy Distillation")."""
+
+    coef: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Weight of the distillation signal (0 = off). It adds to the other rewards or stands "
+            "alone (a run with no reward at all is pure distillation)."
+        ),
+    )
+    mode: Literal["reverse_kl", "kl_loss"] = Field(
+        "reverse_kl",
+        description=(
+            "'reverse_kl': coef * (log pi_teacher - log pi_student) of each sampled token is a "
+            "per-token reward, summed over the later tokens discounted by algorithm.gamma and "
+            "added to the estimator's advantages. 'kl_loss': coef * 1/2 (log pi_student - log "
+            "pi_teacher)^2 (the k2 estimator, whose gradient on the student's own samples is the "
+            "reverse KL's) is a term of the actor's loss."
+        ),
+    )
+
+
 class AlgorithmConfig(_Section):
     estimator: Estimator = Field("grpo", description="Advantage estimator; 'gae' uses a critic.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
@@ -477,15 +522,16 @@ class AlgorithmConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus in the actor loss.")
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     old_logprobs: Literal["auto", "recompute", "rollout"] = Field(
         "auto",
         description=(
             "'recompute': a forward pass of the actor before the update gives old_logprobs. "
             "'auto': skip it when the update is one on-policy optimizer step per batch (mode "
-            "sync, one PPO epoch, one mini-batch, no KL in the reward); the update then takes "
-            "the detached log-probs of its own forward pass as old_logprobs, which are the same "
-            "numbers (the weights have not changed yet); otherwise recompute. 'rollout': the "
-            "rollout engine's log-probs of the sampled tokens (the behaviour policy that made "
+            "sync, one PPO epoch, one mini-batch, no KL in the reward, no distillation); the "
+            "update then takes the detached log-probs of its own forward pass as old_logprobs, "
+            "which are the same numbers (the weights have not changed yet); otherwise "
+            "recompute. 'rollout': the rollout engine's log-probs of the sampled tokens (the behaviour policy that made "
             "the batch, at the sampling temperature) are old_logprobs: no recompute pass, and in "
             "the async modes the ratio is taken against the policy that really sampled."
         ),
@@ -505,6 +551,11 @@ class AlgorithmConfig(_Section):
     @property
     def use_reference(self) -> bool:
         return self.kl.in_reward or self.kl.loss_coef > 0 or self.kl.monitor
+
+    @property
+    def distills(self) -> bool:
+        """On-policy distillation is on (a teacher scores the samples)."""
+        return self.distill.coef > 0
 
 
 class DataConfig(_Section):
@@ -888,6 +939,15 @@ class TrainerConfig(_Section):
     max_seconds: float | None = Field(
         None, gt=0, description="Stop after this much RL time (checkpointed)."
     )
+    stop_grace_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "ppoflow train on SIGTERM, SIGINT or SIGHUP during the RL steps: the longest wait "
+            "for the current step and its checkpoint before it stops without them (a second "
+            "signal stops at once)."
+        ),
+    )
     eval_every: int = Field(5, ge=1, description="Rule accuracy on held-out prompts every N steps.")
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts per evaluation.")
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint every N steps (and at the end).")
@@ -983,6 +1043,7 @@ class TrainConfig(_Section):
             and not self.reward.functions
             and not self.reward.rule_weight
             and not judged
+            and not self.algorithm.distills
         ):
             raise ValueError(
                 "no reward: set models.reward_model (a reward-model folder) or reward.functions "
@@ -993,6 +1054,18 @@ class TrainConfig(_Section):
                     else "; on the built-in task, warmstart.enabled=true with "
                     "reward.model_weight != 0 trains a reward model"
                 )
+            )
+        trains_teacher = self.warm_start and self.warmstart.teacher is not None
+        if self.algorithm.distills and self.models.teacher is None and not trains_teacher:
+            raise ValueError(
+                f"algorithm.distill.coef={self.algorithm.distill.coef} needs a teacher: set "
+                "models.teacher (a causal-LM folder with the policy's vocabulary)"
+                + (
+                    ", or warmstart.teacher (a preset that trains one)"
+                    if self.data.builtin and self.models.policy is None
+                    else ""
+                )
+                + ", or algorithm.distill.coef=0"
             )
         for logger in self.trainer.loggers:
             if logger in LOGGER_EXTRAS and importlib.util.find_spec(logger) is None:

@@ -19,7 +19,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from infra.config import TrainConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-METRICS = ("distill/reverse_kl/mean", "distill/teacher_logprob/mean", "distill/student_logprob/mean")
+METRICS = (
+    "distill/reverse_kl/mean",
+    "distill/teacher_logprob/mean",
+    "distill/student_logprob/mean",
+)
 
 
 @pytest.fixture(scope="module")
