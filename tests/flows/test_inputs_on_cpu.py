@@ -174,3 +174,20 @@ def test_a_judge_tokenizer_without_a_chat_template_is_refused(tmp_path: Path) ->
     tokenizer.save_pretrained(judge)
     with pytest.raises(InputError, match=r"fails on one user message \(no user turns here\)"):
         check_inputs(_cfg(*settings))
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_naming_both(assets, tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from judge_assets import build_tiny_judge
+
+    judge = build_tiny_judge(tmp_path / "judge")  # a causal LM with a tokenizer of its own
+    distill = ["algorithm.distill.coef=1.0", f"models.policy={assets.policy}"]
+    with pytest.raises(InputError) as err:
+        check_inputs(_cfg(*distill, f"models.teacher={judge}"))
+    message = str(err.value)
+    assert message.startswith(f"models.teacher={judge} has ")
+    assert str(assets.policy) in message and "policy's tokenizer" in message
+    assert "\n" not in message
+    check_inputs(_cfg(*distill, f"models.teacher={assets.policy}"))  # the same vocabulary
