@@ -41,6 +41,7 @@ from tasks.update.core import (
     AGGREGATIONS,
     PolicyLossSettings,
     actor_loss,
+    aggregate_loss,
     count_loss_units,
     entropy_from_logits,
     value_loss,
@@ -104,6 +105,9 @@ class ActorUpdateSettings:
         sapo_tau_pos / sapo_tau_neg: ``sapo``'s gate temperatures;
     agg: loss aggregation mode;
     entropy_coef: entropy bonus weight; kl_loss_coef / kl_loss_kind: KL-to-reference loss;
+    distill_loss_coef: on-policy distillation's loss term (``algorithm.distill.mode: kl_loss``):
+        coef · ½ (log π − log π_teacher)² on the sampled tokens, with the teacher's log-probs
+        given to ``actor_update`` (0 = none);
     max_grad_norm: clip the global grad norm (None = no clipping);
     temperature: logits are divided by it (match the rollout's sampling temperature);
     shuffle_seed: permute rows before each epoch (seed + epoch), None keeps the order;
@@ -132,6 +136,7 @@ class ActorUpdateSettings:
     entropy_coef: float
     kl_loss_coef: float
     kl_loss_kind: str
+    distill_loss_coef: float
     max_grad_norm: float | None
     temperature: float
     shuffle_seed: int | None
@@ -375,6 +380,8 @@ def _actor_micro_step(
         tally=tally,
         token_means=token_means,
     )
+    if cfg.distill_loss_coef and "teacher_logprobs" not in mb_tensors:
+        raise ValueError("distill_loss_coef is set but no teacher_logprobs were given")
     out = actor_loss(
         logprobs=logprobs,
         old_logprobs=old_logprobs,
@@ -390,7 +397,19 @@ def _actor_micro_step(
         kl_loss_kind=cfg.kl_loss_kind,
         loss_denominator=loss_denominator,
     )
-    torch.autograd.backward(out.loss)
+    loss, parts = out.loss, {}
+    if cfg.distill_loss_coef:
+        distill = aggregate_loss(
+            loss_mat=kl_penalty(
+                logprobs=logprobs, ref_logprobs=mb_tensors["teacher_logprobs"], kind="k2"
+            ),
+            response_mask=loss_mask,
+            agg=cfg.agg,
+            loss_denominator=loss_denominator,
+        )
+        loss = loss + cfg.distill_loss_coef * distill
+        parts["actor/distill_loss"] = float(distill.detach())
+    torch.autograd.backward(loss)
     tally.add_tokens(
         float(mb.response_mask.sum()),
         **{"actor/pg_clipfrac": float(out.clipfrac), "actor/ppo_kl": float(out.approx_kl)},
@@ -400,6 +419,7 @@ def _actor_micro_step(
         "actor/pg_loss": float(out.pg_loss),
         "actor/entropy": float(out.entropy),
         "actor/kl_loss": float(out.kl_loss),
+        **parts,
     }
 
 
@@ -576,6 +596,7 @@ def actor_update(
     advantages: Tensor,
     ref_logprobs: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
+    teacher_logprobs: Tensor | None = None,
     cfg: ActorUpdateSettings,
     scheduler: Scheduler | None = None,
     grad_reducer: GradReducer | None = None,
@@ -617,6 +638,8 @@ def actor_update(
         per_token["ref_logprobs"] = ref_logprobs
     if rollout_logprobs is not None:
         per_token["rollout_logprobs"] = rollout_logprobs
+    if teacher_logprobs is not None:
+        per_token["teacher_logprobs"] = teacher_logprobs
     behaviour = old_logprobs if cfg.old_is_rollout else rollout_logprobs
     if behaviour is None and (cfg.old_is_rollout or cfg.rollout_correction != "none"):
         raise ValueError(

@@ -48,6 +48,7 @@ def actor_settings(
         entropy_coef=algo.entropy_coef,
         kl_loss_coef=algo.kl.loss_coef,
         kl_loss_kind=algo.kl.loss_kind,
+        distill_loss_coef=algo.distill.coef if algo.distill.mode == "kl_loss" else 0.0,
         max_grad_norm=opt.max_grad_norm,
         temperature=cfg.rollout.temperature or 1.0,
         max_tokens_per_micro_batch=opt.max_tokens_per_micro_batch,

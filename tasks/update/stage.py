@@ -131,6 +131,7 @@ def _update(
                 advantages=given["advantages"],
                 ref_logprobs=given.get("ref_logprobs"),
                 rollout_logprobs=given.get("rollout_logprobs"),
+                teacher_logprobs=given.get("teacher_logprobs"),
                 cfg=actor,
             )
         )
@@ -154,7 +155,13 @@ def _update(
 # sequence count): the batch's loss is their sum. The MAXIMA are each worker's largest value:
 # the batch's is their max. Every other metric is a per-worker mean of equal-sized shards (or
 # the same on every worker, like the all-reduced grad norm): averaged.
-SHARED_LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss")
+SHARED_LOSSES = (
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/distill_loss",
+    "actor/entropy",
+    "critic/vf_loss",
+)
 MAXIMA = ("rollout_corr/is_weight_max",)
 
 

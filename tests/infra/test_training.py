@@ -75,6 +75,7 @@ for run in job["runs"]:
         entropy_coef=0.0,
         kl_loss_coef=0.0,
         kl_loss_kind="k3",
+        distill_loss_coef=0.0,
         max_grad_norm=1.0,
         temperature=1.0,
         shuffle_seed=None,

@@ -124,6 +124,7 @@ def actor_settings(agg: str, micro: int, mini: int = 8, **extra: object) -> Acto
         "entropy_coef": 0.01,
         "kl_loss_coef": 0.1,
         "kl_loss_kind": "k3",
+        "distill_loss_coef": 0.0,
         "max_grad_norm": 0.5,
         "temperature": 0.9,
         "shuffle_seed": None,
@@ -453,3 +454,38 @@ def test_old_logprobs_none_refused_for_more_than_one_step(extra: dict[str, int])
             advantages=inputs["advantages"],
             cfg=cfg,
         )
+
+
+def test_the_distillation_loss_is_half_the_squared_gap_and_moves_towards_the_teacher() -> None:
+    """``distill_loss_coef`` (``algorithm.distill.mode: kl_loss``): with no advantage, entropy
+    or KL term, the only gradient is the k2 gap's, which raises the log-probs of the tokens the
+    teacher likes more than the student does."""
+    batch = make_batch(4)
+    reference = tiny_policy(seed=4)
+    with torch.no_grad():
+        logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long())
+        current = gather_response_logprobs(logits=logits.logits, batch=batch).cpu()
+    mask = batch.response_mask.cpu()
+    teacher = torch.where(mask, current + 1.0, 0.0)  # every sampled token one nat likelier
+    inputs = {"old_logprobs": current, "advantages": torch.zeros_like(current)}
+    model = copy.deepcopy(reference)
+    cfg = actor_settings(
+        "token-mean",
+        8,
+        ppo_epochs=1,
+        entropy_coef=0.0,
+        kl_loss_coef=0.0,
+        distill_loss_coef=1.0,
+        temperature=1.0,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    metrics = actor_update(
+        model=model, optimizer=optimizer, batch=batch, cfg=cfg, teacher_logprobs=teacher, **inputs
+    )
+    assert metrics["actor/distill_loss"] == pytest.approx(0.5)  # ½ · 1² on every token
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long())
+        after = gather_response_logprobs(logits=logits.logits, batch=batch).cpu()
+    assert float((after - current)[mask].mean()) > 0  # towards the teacher
+    with pytest.raises(ValueError, match="teacher_logprobs"):
+        actor_update(model=model, optimizer=optimizer, batch=batch, cfg=cfg, **inputs)
