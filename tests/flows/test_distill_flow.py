@@ -108,5 +108,7 @@ def test_distillation_beside_the_reward_model_in_the_async_modes(
     for r in rows:
         assert all(name in r for name in METRICS), sorted(r)
         assert "reward/rm_score/mean" in r  # the reward model scored beside the teacher
+        as_loss = cfg.algorithm.distill.mode == "kl_loss"
+        assert ("actor/distill_loss" in r) is as_loss and r.get("actor/distill_loss", 1.0) > 0
     on_training_pool = any("timing_s/wake/teacher" in r for r in rows)
     assert on_training_pool == (cfg.reward.pool == "colocated")
