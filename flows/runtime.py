@@ -23,6 +23,7 @@ Each bundle is one device, except the rollout pool's with a tensor-parallel vLLM
 
 from __future__ import annotations
 
+from flows import stopping
 from flows.reward_model import ResolvedModels
 from infra.cluster import ResourcePool, create_pool, ensure_ray
 from infra.config import TrainConfig
@@ -98,6 +99,7 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
         + (1 if own_reward else 0)
     )
     started = ensure_ray(res, pools_devices=devices)
+    stopping.reinstall()  # Ray's driver sets a SIGTERM handler of its own
     timeout = cfg.orchestration.call_timeout_s
     pools: list[ResourcePool] = []
     store: Store | None = None

@@ -3,7 +3,9 @@
 1. ``enable()`` (the CLI) arms the handlers; a flow run called from Python, a test or a
    deployment keeps Prefect's own signal handling.
 2. ``signals(grace_s)`` installs the handlers for a block. The flow installs them again inside
-   its body, because Prefect's engine replaces SIGTERM's handler for the duration of a flow run.
+   its body, because Prefect's engine replaces SIGTERM's handler for the duration of a flow run,
+   and once more (``reinstall``) after Ray starts, whose driver sets a SIGTERM handler of its
+   own.
 3. Inside ``safe_points()`` (the RL loop) the first signal only records itself: the loop ends the
    current step, writes a checkpoint and raises ``RunStopped``. If that takes longer than
    ``grace_s``, or a second signal arrives, the handler raises ``RunStopped`` at once.
@@ -31,6 +33,7 @@ __all__ = [
     "SIGNALS",
     "RunStopped",
     "enable",
+    "reinstall",
     "requested",
     "safe_points",
     "signals",
@@ -68,6 +71,7 @@ class _State:
     grace_s: float = 120.0
     signum: int | None = None
     deferring: int = 0  # depth of safe_points() blocks
+    installed: int = 0  # depth of signals() blocks that installed the handlers
     timer: threading.Timer | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -132,11 +136,21 @@ def signals(grace_s: float) -> Iterator[None]:
         return
     _STATE.grace_s = grace_s
     previous: dict[int, Any] = {s: signal.signal(s, _handler) for s in SIGNALS}
+    _STATE.installed += 1
     try:
         yield
     finally:
+        _STATE.installed -= 1
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def reinstall() -> None:
+    """Put the handlers back inside a ``signals()`` block after a library replaced them (Ray's
+    driver installs its own SIGTERM handler when it starts)."""
+    if _STATE.installed and threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, _handler)
 
 
 @contextmanager
