@@ -38,6 +38,9 @@ CHANGED = [
     "algorithm.rollout_correction.low=0.25",
     "algorithm.rollout_correction.high=4.0",
     "algorithm.old_logprobs=rollout",
+    "algorithm.distill.coef=0.3",
+    "algorithm.distill.mode=kl_loss",
+    "models.teacher=/models/teacher",
     "actor.policy_loss=sapo",
     "actor.gspo_clip_low=1e-3",
     "actor.gspo_clip_high=2e-3",
@@ -106,6 +109,7 @@ def test_actor_settings_are_the_configs_values(cfg: TrainConfig) -> None:
         "entropy_coef": algo.entropy_coef,
         "kl_loss_coef": algo.kl.loss_coef,
         "kl_loss_kind": algo.kl.loss_kind,
+        "distill_loss_coef": algo.distill.coef if algo.distill.mode == "kl_loss" else 0.0,
         "max_grad_norm": opt.max_grad_norm,
         "temperature": cfg.rollout.temperature,
         "shuffle_seed": None,  # rows in order: the workers sum each mini-batch's denominator
