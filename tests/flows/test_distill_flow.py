@@ -52,6 +52,7 @@ def _run(overrides: list[str], *extra: str) -> tuple[TrainConfig, list[dict[str,
     return cfg, rows
 
 
+@pytest.mark.slow
 def test_pure_distillation_in_sync_lowers_the_reverse_kl(
     prefect_harness, ray_local, tiny_overrides, teacher: Path
 ) -> None:
