@@ -171,7 +171,7 @@ def score_rows(
         out.rm_mean, out.rm_std = ensemble.mean.tolist(), ensemble.std.tolist()
         out.rm_members = int(scored.member_scores.shape[1])
     if teacher:
-        teacher_logprobs(worker, shard)
+        teacher_logprobs(worker, shard, rows(data["prompt_ids"]), responses)
     if rule or texts or judge:
         decoded = worker.tokenizer.batch_decode(
             [r.tolist() for r in responses], skip_special_tokens=True
@@ -190,18 +190,24 @@ def score_rows(
     return out
 
 
-def teacher_logprobs(worker: ModelWorker, shard: BatchMeta) -> None:
-    """Worker side: the teacher's log-probabilities of my samples' response tokens at the
-    rollout temperature, as the actor's are computed (its model awake for the block) → write
-    ``teacher_logprobs``."""
-    from tasks.logprobs.stage import read_packed, response_logprobs
+def teacher_logprobs(
+    worker: ModelWorker,
+    shard: BatchMeta,
+    prompts: list[torch.Tensor],
+    responses: list[torch.Tensor],
+) -> None:
+    """Worker side: the teacher's log-probabilities of my samples' response tokens (``prompts``
+    and ``responses``, the shard's rows as read) at the rollout temperature, as the actor's are
+    computed (its model awake for the block) → write ``teacher_logprobs``."""
+    from tasks.batching import pack_batch
+    from tasks.logprobs.stage import response_logprobs
 
     if not worker.has("teacher"):
         raise ValueError(
             f"the teacher was asked to score but worker {worker.spec.rank} (roles "
             f"{', '.join(worker.spec.roles)}) holds none"
         )
-    batch = read_packed(worker, shard)
+    batch = pack_batch(prompt_ids=prompts, response_ids=responses, pad_id=worker.pad_id)
     with worker.awake("teacher") as model:
         logprobs = response_logprobs(worker, model.module, batch)  # (B, T)
     worker.write(shard, {"teacher_logprobs": from_padded(logprobs, batch.response_lengths)})

@@ -123,6 +123,16 @@ def _log_ratio(*, logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
     return (logprobs - old_logprobs).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
 
 
+def _clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """max(−A·ratio, −A·clip(ratio, 1 − clip_low, 1 + clip_high)) per token, and where the
+    clipped term won.  (B, T), (B, T) bool"""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
 def _weigh_and_aggregate(
     *,
     loss_mat: Tensor,
@@ -182,9 +192,7 @@ def ppo_policy_loss(
     log_ratio = _log_ratio(logprobs=logprobs, old_logprobs=old_logprobs)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     # 2.
-    unclipped = -advantages * ratio  # (B, T)
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
-    loss_mat = torch.maximum(unclipped, clipped)  # (B, T)
+    loss_mat, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)  # (B, T) x2
     # 3.
     if dual_clip is not None:
         capped = torch.minimum(loss_mat, -advantages * dual_clip)  # (B, T)
@@ -192,7 +200,7 @@ def ppo_policy_loss(
     # 4. and 5.
     return _weigh_and_aggregate(
         loss_mat=loss_mat,
-        clipped=clipped > unclipped,
+        clipped=clipped,
         log_ratio=log_ratio,
         response_mask=response_mask,
         agg=agg,
@@ -237,13 +245,11 @@ def gspo_policy_loss(
     token_log_ratio = seq_log_ratio.detach().unsqueeze(1) + logprobs - logprobs.detach()  # (B, T)
     seq_ratio = torch.exp(token_log_ratio)  # (B, T)
     # 3.
-    unclipped = -advantages * seq_ratio  # (B, T)
-    clipped = -advantages * seq_ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)
-    loss_mat = torch.maximum(unclipped, clipped)  # (B, T)
+    loss_mat, clipped = _clipped_surrogate(seq_ratio, advantages, clip_low, clip_high)
     # 4. and 5.
     return _weigh_and_aggregate(
         loss_mat=loss_mat,
-        clipped=clipped > unclipped,
+        clipped=clipped,
         log_ratio=log_ratio,
         response_mask=response_mask,
         agg=agg,

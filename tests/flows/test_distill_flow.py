@@ -8,17 +8,16 @@ pool's workers, so it shows whether the teacher took its turns there."""
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from infra.config import TrainConfig, load_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_judge import _run  # noqa: E402  (a tiny run that must complete, and its metrics)
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 METRICS = (
     "distill/reverse_kl/mean",
     "distill/teacher_logprob/mean",
@@ -38,18 +37,6 @@ def teacher(assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(assets.tokenizer).save_pretrained(out)
     return out
-
-
-def _run(overrides: list[str], *extra: str) -> tuple[TrainConfig, list[dict[str, Any]]]:
-    from flows.train import ppo_train
-
-    cfg = load_config(CONFIGS / "tiny.yaml", [*overrides, *extra])
-    state = ppo_train(cfg, return_state=True)
-    assert state.is_completed(), state.message
-    rows = [
-        json.loads(x) for x in (cfg.resolved_run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
-    return cfg, rows
 
 
 @pytest.mark.slow
