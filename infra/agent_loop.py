@@ -5,11 +5,14 @@ tokens → sample again, token-in/token-out over any ``GenerationEngine``.
 
 1. Turn 1 samples ``n`` responses per prompt, exactly as a single-turn rollout does.
 2. Each turn's sampled ids are kept as sampled (``loss_mask`` True, the engine's log-probs); a
-   turn that wrote a complete ``</tool_call>`` is cut right after it.
-3. The turn's text is read for Hermes tool calls, ``<tool_call>{"name": …, "arguments": {…}}
-   </tool_call>``; each call runs in the tool runner (``infra.tools.ToolPool``), and a call that
-   does not parse, names an unknown tool, takes the wrong arguments, raises or times out becomes
-   an error ``tool`` message, counted.
+   turn that wrote a complete call (its format's closing text, ``</tool_call>`` for Hermes) is
+   cut right after it.
+3. The turn's text is read for tool calls in the policy's format (``tool_call_format``): the
+   format its tokenizer declares (a ``response_template`` with a ``tool_calls`` field, read by
+   transformers' ``parse_response``), else Hermes/Qwen calls, ``<tool_call>{"name": …,
+   "arguments": {…}}</tool_call>``. Each call runs in the tool runner
+   (``infra.tools.ToolPool``), and a call that does not parse, names an unknown tool, takes the
+   wrong arguments, raises or times out becomes an error ``tool`` message, counted.
 4. The tool messages are rendered by the chat template and only the tokens the template adds
    after the sampled ones are appended (``tool_turn_ids``; ``loss_mask`` False, log-prob 0):
    nothing already sampled is ever re-tokenized.
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,14 +45,19 @@ __all__ = [
     "ToolRunner",
     "Trajectory",
     "agent_metrics",
+    "HERMES",
+    "ToolCallFormat",
     "check_tool_template",
     "final_answer",
+    "parse_declared_calls",
     "parse_tool_calls",
     "run_agent_loop",
+    "tool_call_format",
     "tool_turn_ids",
 ]
 
 TOOL_CALL_END = "</tool_call>"
+REASONING_END = "</think>"  # reasoning templates (Qwen3 style) close a turn's thinking with it
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _TURN_SEED_STRIDE = 1_000_003
 
@@ -107,6 +115,51 @@ class Trajectory:
         self.segments.append(("sampled" if sampled else "tool", list(ids)))
 
 
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How the policy writes tool calls. ``declared``: its tokenizer's ``response_template``
+    has a ``tool_calls`` field, and transformers' ``parse_response`` reads the calls;
+    ``hermes``: ``<tool_call>{json}</tool_call>``, read by ``parse_tool_calls``. ``closes``: the
+    texts that end one call (a turn is cut after the first; none: it runs to its EOS)."""
+
+    declared: bool
+    closes: tuple[str, ...]
+
+
+HERMES = ToolCallFormat(declared=False, closes=(TOOL_CALL_END,))
+
+
+def tool_call_format(tokenizer: Tokenizer) -> ToolCallFormat:
+    """The tokenizer's declared format when its ``response_template`` has a ``tool_calls``
+    field (the closing texts from that field's literal ``close``), else Hermes."""
+    template = getattr(tokenizer, "response_template", None)
+    fields = template.get("fields") if isinstance(template, dict) else None
+    field = fields.get("tool_calls") if isinstance(fields, dict) else None
+    if not isinstance(field, dict):
+        return HERMES
+    close = field.get("close")
+    closes = [close] if isinstance(close, str) else close if isinstance(close, list) else []
+    return ToolCallFormat(declared=True, closes=tuple(str(c) for c in closes if c))
+
+
+_CALL_SHAPE = 'error: a tool call is {"name": <tool>, "arguments": {<name>: <value>}}'
+
+
+def _tool_call(value: Any) -> ToolCall | ToolResult:
+    """A call from its parsed JSON ``{"name": …, "arguments": {…} or a JSON string}``, or the
+    error result that says what a call looks like."""
+    name = value.get("name") if isinstance(value, dict) else None
+    arguments = value.get("arguments", {}) if isinstance(value, dict) else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return ToolResult(_CALL_SHAPE, True)
+    return ToolCall(name, arguments)
+
+
 def parse_tool_calls(text: str) -> list[ToolCall | ToolResult]:
     """The Hermes tool calls in ``text``, in order; a call that does not parse is an error
     ``ToolResult`` in its place."""
@@ -117,21 +170,30 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolResult]:
         except json.JSONDecodeError as exc:
             out.append(ToolResult(f"error: the tool call is not JSON ({exc.msg})", True))
             continue
-        name = value.get("name") if isinstance(value, dict) else None
-        arguments = value.get("arguments", {}) if isinstance(value, dict) else None
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(name, str) or not isinstance(arguments, dict):
-            out.append(
-                ToolResult(
-                    'error: a tool call is {"name": <tool>, "arguments": {<name>: <value>}}', True
-                )
-            )
-            continue
-        out.append(ToolCall(name, arguments))
+        out.append(_tool_call(value))
+    return out
+
+
+def parse_declared_calls(
+    tokenizer: Tokenizer, text: str, *, prefix: str, tools: list[dict[str, Any]] | None
+) -> list[ToolCall | ToolResult]:
+    """The tool calls in ``text`` as the tokenizer's ``response_template`` reads them
+    (``prefix``: the conversation before the turn, which a template may have opened). A
+    response the template cannot parse is one error ``ToolResult``; each call is
+    ``{"name", "arguments"}``, or an OpenAI-style ``{"type": "function", "function": {…}}``."""
+    schemas: list[dict[Any, Any] | Callable[..., Any]] | None = (
+        list(tools) if tools is not None else None
+    )
+    try:
+        message = tokenizer.parse_response(text, prefix=prefix, tools=schemas)
+    except Exception as exc:  # noqa: BLE001 - the parser's own error, whatever its type
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return [ToolResult(f"error: the tool call does not parse ({first})", True)]
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    out: list[ToolCall | ToolResult] = []
+    for item in calls if isinstance(calls, list) else []:
+        inner = item.get("function", item) if isinstance(item, dict) else item
+        out.append(_tool_call(inner))
     return out
 
 
@@ -151,29 +213,38 @@ def tool_turn_ids(
     """The ids the chat template adds after the last assistant turn's sampled text when
     ``tool_messages`` follow it, up to and including the next assistant generation prompt.
 
-    The conversation is rendered without and with the tool messages; the new text starts where
-    the assistant's content ends in the first rendering (after its EOS text when the turn ended
-    with ``eos_text``, which the policy sampled). The template's special tokens delimit it, so
-    its ids are those of the whole rendering's tail.
+    1. The conversation is rendered with the tool messages and the generation prompt.
+    2. The tool messages are found from the end of that text, the last one first (only the
+       generation prompt follows them).
+    3. Before the first of them, the end of the assistant's text: the whole sampled text, or,
+       when the template re-renders earlier turns' reasoning (Qwen3 style: a turn that is no
+       longer the last loses an empty ``<think>`` block), the part after its ``</think>``.
+    4. The new text runs from there to the end, less the EOS text the policy sampled
+       (``eos_text``). The template's special tokens delimit it, so its ids are those of the
+       whole rendering's tail.
+
+    Raises ``AgentTemplateError`` when the template drops a tool message or the assistant's
+    text.
     """
-    before = _render(tokenizer, conversation, tools=tools)
     after = _render(
         tokenizer, conversation + tool_messages, tools=tools, add_generation_prompt=True
     )
+    end = len(after)
+    for message in reversed(tool_messages):
+        end = after.rfind(str(message["content"]), 0, end)
+        if end < 0:
+            break
     content = str(conversation[-1].get("content") or "")
-    start = before.rfind(content) if content else -1
-    new = after[len(before) :]
-    if (
-        not after.startswith(before)
-        or start < 0
-        or any(str(m["content"]) not in new for m in tool_messages)
-    ):
+    anchors = [content, content.rsplit(REASONING_END, 1)[-1].lstrip()]
+    found = [(after.rfind(a, 0, end), a) for a in anchors if a] if end >= 0 else []
+    start, anchor = next(((p, a) for p, a in found if p >= 0), (-1, ""))
+    if start < 0:
         raise AgentTemplateError(
-            "the chat template does not render a tool turn as an extension of the conversation "
-            "with the assistant's text verbatim; use a template with a `tool` role (Hermes/"
-            "ChatML style) for rollout.tools"
+            "the chat template does not render a tool turn after the assistant's text "
+            "verbatim; use a template with a `tool` role (Hermes/ChatML or Qwen3 style) for "
+            "rollout.tools"
         )
-    tail = after[start + len(content) :]
+    tail = after[start + len(anchor) :]
     if eos_text and tail.startswith(eos_text):
         tail = tail[len(eos_text) :]
     return list(tokenizer.encode(tail, add_special_tokens=False))
@@ -181,26 +252,29 @@ def tool_turn_ids(
 
 def check_tool_template(tokenizer: Tokenizer, tools: list[dict[str, Any]]) -> None:
     """Render one tool turn as the loop does (``tool_turn_ids``): a user message, an assistant
-    turn that calls the first tool, its answer. Raises ``AgentTemplateError`` when the chat
-    template cannot."""
+    turn that calls the first tool (once as is, once after a reasoning block), its answer.
+    Raises ``AgentTemplateError`` when the chat template cannot."""
     name = str(tools[0].get("function", tools[0]).get("name", "tool"))
-    call = json.dumps({"name": name, "arguments": {}})
-    conversation = [
-        {"role": "user", "content": "What is 1 + 2?"},
-        {"role": "assistant", "content": f"<tool_call>{call}{TOOL_CALL_END}"},
-    ]
+    call = f"<tool_call>{json.dumps({'name': name, 'arguments': {}})}{TOOL_CALL_END}"
     answer = [{"role": "tool", "name": name, "content": "tool answer 3"}]
     eos = getattr(tokenizer, "eos_token", None)
-    try:
-        tool_turn_ids(tokenizer, conversation, answer, tools=tools, eos_text=eos if eos else None)
-    except AgentTemplateError:
-        raise
-    except Exception as exc:  # a template's own error (an unknown role, a raise_exception)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise AgentTemplateError(
-            f"the chat template fails on a tool turn ({first}); use a template with a `tool` "
-            "role (Hermes/ChatML style) for rollout.tools"
-        ) from None
+    for content in (call, f"<think>\nI add.\n{REASONING_END}\n\n{call}"):
+        conversation = [
+            {"role": "user", "content": "What is 1 + 2?"},
+            {"role": "assistant", "content": content},
+        ]
+        try:
+            tool_turn_ids(
+                tokenizer, conversation, answer, tools=tools, eos_text=eos if eos else None
+            )
+        except AgentTemplateError:
+            raise
+        except Exception as exc:  # a template's own error (an unknown role, a raise_exception)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise AgentTemplateError(
+                f"the chat template fails on a tool turn ({first}); use a template with a "
+                "`tool` role (Hermes/ChatML or Qwen3 style) for rollout.tools"
+            ) from None
 
 
 def final_answer(messages: list[dict[str, Any]]) -> str:
@@ -211,22 +285,39 @@ def final_answer(messages: list[dict[str, Any]]) -> str:
     return ""
 
 
-def _find(ids: list[int], pattern: list[int]) -> int:
-    """Index just after the first occurrence of ``pattern`` in ``ids`` (-1: none)."""
-    if not pattern:
-        return -1
-    for i in range(len(ids) - len(pattern) + 1):
-        if ids[i : i + len(pattern)] == pattern:
-            return i + len(pattern)
-    return -1
-
-
 @dataclass(frozen=True)
 class _Turn:
-    """What the loop needs of the tokenizer, computed once per batch."""
+    """What the loop needs of the tokenizer and the tools, computed once per batch."""
 
+    tokenizer: Tokenizer
+    format: ToolCallFormat
+    schemas: list[dict[str, Any]] | None
     eos_ids: frozenset[int]
-    stop: list[int]
+
+    def calls(self, text: str, context: Tensor) -> list[ToolCall | ToolResult]:
+        """The calls in one turn's ``text``; ``context`` (the ids before the turn) is decoded
+        only for a declared format, whose parser reads the turn in its conversation."""
+        if not self.format.declared:
+            return parse_tool_calls(text)
+        prefix = str(self.tokenizer.decode(context.tolist(), skip_special_tokens=False))
+        return parse_declared_calls(self.tokenizer, text, prefix=prefix, tools=self.schemas)
+
+
+def _call_end(ids: list[int], turn: _Turn) -> int:
+    """Index just after the token that completes the turn's first call (the earliest closing
+    text of its format), -1 when none does. Found in the text, so a closing text the policy
+    spelled in other tokens than the tokenizer's own counts too: each token is decoded alone
+    and the first whose running text holds a closing text ends the call."""
+    text = str(turn.tokenizer.decode(ids, skip_special_tokens=False))
+    if not any(close in text for close in turn.format.closes):
+        return -1
+    pieces = turn.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+    running = ""
+    for index, piece in enumerate(pieces):
+        running += str(piece)
+        if any(close in running for close in turn.format.closes):
+            return index + 1
+    return -1
 
 
 def _messages(raw_prompt: Any) -> list[dict[str, Any]]:
@@ -250,8 +341,10 @@ def run_agent_loop(
 ) -> list[Trajectory]:
     """``n`` trajectories per prompt, prompt-major (see the module docstring)."""
     turn = _Turn(
+        tokenizer=tokenizer,
+        format=tool_call_format(tokenizer),
+        schemas=tool_schemas,
         eos_ids=frozenset(int(i) for i in eos_token_ids),
-        stop=list(tokenizer.encode(TOOL_CALL_END, add_special_tokens=False)),
     )
     trajectories = [Trajectory(messages=_messages(p)) for p in raw_prompts for _ in range(n)]
     contexts = [ids for ids in prompt_ids for _ in range(n)]
@@ -271,7 +364,12 @@ def run_agent_loop(
         # 2.-4. Keep the sampled turn, run its calls, append the tool turn.
         calls = [
             _take_turn(
-                trajectories[r], ids, lps, turn, tokenizer, last=number == settings.max_turns
+                trajectories[r],
+                ids,
+                lps,
+                turn,
+                context=_context(contexts[r], trajectories[r]),
+                last=number == settings.max_turns,
             )
             for r, (ids, lps) in zip(live, segments)
         ]
@@ -281,10 +379,7 @@ def run_agent_loop(
             break
         # 5. The next turn from each live row's whole context.
         remaining = [settings.max_new_tokens - len(trajectories[r].response_ids) for r in live]
-        inputs = [
-            torch.cat([contexts[r], torch.tensor(trajectories[r].response_ids, dtype=torch.int64)])
-            for r in live
-        ]
+        inputs = [_context(contexts[r], trajectories[r]) for r in live]
         out = engine.generate(
             inputs,
             n=1,
@@ -300,13 +395,18 @@ def run_agent_loop(
     return trajectories
 
 
+def _context(prompt: Tensor, t: Trajectory) -> Tensor:
+    """The ids a row's next turn starts from: its prompt and every response token so far."""
+    return torch.cat([prompt, torch.tensor(t.response_ids, dtype=torch.int64)])
+
+
 def _take_turn(
-    t: Trajectory, ids: Tensor, logprobs: Tensor, turn: _Turn, tokenizer: Tokenizer, *, last: bool
+    t: Trajectory, ids: Tensor, logprobs: Tensor, turn: _Turn, *, context: Tensor, last: bool
 ) -> list[ToolCall | ToolResult]:
-    """Keep one sampled turn (cut after its first ``</tool_call>`` and the EOS right after it, if
+    """Keep one sampled turn (cut after its first complete call and the EOS right after it, if
     any); the calls it asks for (none when the rollout ends here)."""
     sampled, lps = [int(i) for i in ids.tolist()], [float(x) for x in logprobs.tolist()]
-    cut = _find(sampled, turn.stop)
+    cut = _call_end(sampled, turn)
     if 0 < cut < len(sampled) and sampled[cut] in turn.eos_ids:
         cut += 1  # the EOS that closes the call's turn stays the policy's
     if cut > 0:
@@ -314,15 +414,16 @@ def _take_turn(
     t.extend(sampled, lps)
     t.num_turns += 1
     ended = bool(sampled) and sampled[-1] in turn.eos_ids
-    text = str(tokenizer.decode(sampled[:-1] if ended else sampled, skip_special_tokens=False))
+    text = str(turn.tokenizer.decode(sampled[:-1] if ended else sampled, skip_special_tokens=False))
     t.messages.append({"role": "assistant", "content": text})
-    calls = parse_tool_calls(text)
+    calls = turn.calls(text, context)
     if not calls or last:
         t.done = True
         return []
     t.tool_calls += len(calls)
     if ended:  # the EOS the policy sampled closes its turn (``tool_turn_ids``)
-        t.messages[-1]["eos_text"] = str(tokenizer.decode(sampled[-1:], skip_special_tokens=False))
+        eos = turn.tokenizer.decode(sampled[-1:], skip_special_tokens=False)
+        t.messages[-1]["eos_text"] = str(eos)
     return calls
 
 

@@ -266,7 +266,8 @@ class RolloutConfig(_Section):
     tools: list[ToolConfig] = Field(
         default_factory=list,
         description=(
-            "Tools the policy may call (Hermes <tool_call> format); the prompts are rendered "
+            "Tools the policy may call, in the call format its tokenizer declares "
+            "(response_template) or else Hermes <tool_call> calls; the prompts are rendered "
             "with their schemas."
         ),
     )

@@ -4,11 +4,21 @@ here, from ``byo_assets``) has a Hermes/ChatML chat template with tools, and a t
 The template follows Qwen2.5's: the tools' schemas in a system turn, assistant turns written as
 sampled, consecutive ``tool`` messages in one ``user`` turn of ``<tool_response>`` blocks.
 ``<tool_call>`` and ``</tool_call>`` are added tokens (one id each), as in Qwen2.5.
+
+Two more chat templates, written here in the manner of the families they stand for:
+
+- ``REASONING_TEMPLATE`` (Qwen3 style): an assistant turn after the last user message is
+  rendered with a ``<think>…</think>`` block while it is the last message or its reasoning is
+  not empty; once a tool message follows it, a turn without reasoning loses the block.
+- ``DECLARED_TEMPLATE`` with ``DECLARED_RESPONSE_TEMPLATE``: calls written as
+  ``<function=NAME>{arguments}</function>``, a format the tokenizer declares in its
+  ``response_template`` (transformers' response parsing), tool answers in a ``tool`` turn.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from byo_assets import QWEN_SPECIALS, _bpe
@@ -32,6 +42,62 @@ HERMES_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+_TOOLS_SYSTEM = (
+    "{% if tools %}{{ '<|im_start|>system\\nYou may call these tools:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools><|im_end|>\\n' }}{% endif %}"
+)
+
+REASONING_TEMPLATE = (
+    _TOOLS_SYSTEM + "{% set ns = namespace(last_user=-1) %}"
+    "{% for message in messages %}{% if message.role == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}"
+    "{% set content = message.content %}{% set reasoning = '' %}"
+    "{% if '</think>' in content %}"
+    "{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{% if loop.index0 > ns.last_user and (loop.last or reasoning) %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
+    "{% else %}{{ '<|im_start|>assistant\\n' + content }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+DECLARED_TEMPLATE = (
+    _TOOLS_SYSTEM + "{% for message in messages %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+DECLARED_RESPONSE_TEMPLATE = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"<function=(?P<name>[\w.-]+)>",
+            "close": "</function>",
+            "content": "json",
+            "repeats": True,
+            "transform": {
+                "type": "function",
+                "function": {"name": "{name}", "arguments": "{content}"},
+            },
+        },
+        "content": {},
+    },
+}
 
 TOOLS_PY = '''"""Tools of the multi-turn tests."""
 
@@ -77,7 +143,11 @@ def shout(text: str) -> str:
 '''
 
 
-def build_hermes_tokenizer() -> PreTrainedTokenizerFast:
+def build_hermes_tokenizer(
+    template: str = HERMES_TEMPLATE, response_template: dict[str, Any] | None = None
+) -> PreTrainedTokenizerFast:
+    """The Qwen-style BPE tokenizer with ``template`` as its chat template (and
+    ``response_template``, when given, as its declared response format)."""
     tok = PreTrainedTokenizerFast(
         tokenizer_object=_bpe(400, QWEN_SPECIALS, bos=None),
         eos_token="<|im_end|>",
@@ -87,7 +157,9 @@ def build_hermes_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="right",
     )
     tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
-    tok.chat_template = HERMES_TEMPLATE
+    tok.chat_template = template
+    if response_template is not None:
+        tok.response_template = response_template
     return tok
 
 

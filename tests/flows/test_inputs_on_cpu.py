@@ -87,12 +87,14 @@ def test_vllm_asked_for_without_vllm_names_the_setting_and_the_extras(
     check_inputs(_cfg("rollout.engine=vllm"))  # installed: nothing to say
 
 
-def _tokenizer_folder(out: Path, template: str | None) -> Path:
+def _tokenizer_folder(
+    out: Path, template: str | None, response_template: dict[str, object] | None = None
+) -> Path:
     """The multi-turn tests' Hermes tokenizer saved alone, with ``template`` as its chat
-    template (None: none)."""
+    template (None: none) and ``response_template`` as its declared format."""
     from agent_assets import build_hermes_tokenizer
 
-    tokenizer = build_hermes_tokenizer()
+    tokenizer = build_hermes_tokenizer(response_template=response_template)
     tokenizer.chat_template = template
     tokenizer.save_pretrained(out)
     return out
@@ -114,7 +116,13 @@ _RAISES_ON_TOOL = (
 
 
 def test_a_chat_template_that_cannot_render_a_tool_turn_is_refused(tmp_path: Path) -> None:
-    from agent_assets import HERMES_TEMPLATE, write_tools
+    from agent_assets import (
+        DECLARED_RESPONSE_TEMPLATE,
+        DECLARED_TEMPLATE,
+        HERMES_TEMPLATE,
+        REASONING_TEMPLATE,
+        write_tools,
+    )
 
     from infra.agent_loop import tool_turn_ids
 
@@ -123,9 +131,15 @@ def test_a_chat_template_that_cannot_render_a_tool_turn_is_refused(tmp_path: Pat
     policy.mkdir()
     base = [f"models.policy={policy}", f"rollout.tools=[{{path: {tools}, name: add}}]"]
     multi = [*base, "rollout.max_turns=2"]
-    # The Hermes template renders the dummy call and its answer: accepted.
-    hermes = _tokenizer_folder(tmp_path / "hermes", HERMES_TEMPLATE)
-    check_inputs(_cfg(*multi, f"models.tokenizer={hermes}"))
+    # The Hermes, Qwen3-style and declared-format templates render the dummy call and its
+    # answer: accepted.
+    for name, template, declared in (
+        ("hermes", HERMES_TEMPLATE, None),
+        ("reasoning", REASONING_TEMPLATE, None),
+        ("declared", DECLARED_TEMPLATE, DECLARED_RESPONSE_TEMPLATE),
+    ):
+        folder = _tokenizer_folder(tmp_path / name, template, declared)
+        check_inputs(_cfg(*multi, f"models.tokenizer={folder}"))
     for name, template, pattern in (
         ("no-tool-role", _NO_TOOL_ROLE, "does not render a tool turn"),
         ("raises", _RAISES_ON_TOOL, r"fails on a tool turn \(Conversation roles must alternate"),

@@ -1,6 +1,7 @@
-"""The multi-turn agent loop with a scripted stand-in engine, the Hermes tokenizer of
-``tests/agent_assets.py`` and a real tool pool: exact ids (sampled + template tokens, nothing
-re-tokenized), the loss mask, the budget, and every kind of bad call as a counted error."""
+"""The multi-turn agent loop with a scripted stand-in engine, the tokenizers of
+``tests/agent_assets.py`` (Hermes/Qwen2.5, Qwen3-style reasoning, a declared call format) and a
+real tool pool: exact ids (sampled + template tokens, nothing re-tokenized), the loss mask, the
+budget, and every kind of bad call as a counted error."""
 
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from agent_assets import build_hermes_tokenizer, write_tools  # noqa: E402
+from agent_assets import (  # noqa: E402
+    DECLARED_RESPONSE_TEMPLATE,
+    DECLARED_TEMPLATE,
+    REASONING_TEMPLATE,
+    build_hermes_tokenizer,
+    write_tools,
+)
 
 from infra.agent_loop import (  # noqa: E402
     AgentSettings,
+    check_tool_template,
     final_answer,
+    parse_declared_calls,
     parse_tool_calls,
     run_agent_loop,
     tool_turn_ids,
@@ -220,3 +229,77 @@ def test_tool_turn_ids_need_a_template_with_a_tool_role(tokenizer) -> None:
             tools=None,
             eos_text=None,
         )
+
+
+@pytest.mark.parametrize(
+    "thinking", ["", "<think>\nadd the two\n</think>\n\n"], ids=["no_reasoning", "reasoning"]
+)
+def test_a_qwen3_style_template_extends_the_sampled_ids_with_or_without_reasoning(
+    pool, tools_file, thinking
+):
+    """A turn that is no longer the last loses its empty reasoning block in this template's
+    rendering; the tool turn is still the template's tokens after the sampled ones."""
+    tokenizer = build_hermes_tokenizer(REASONING_TEMPLATE)
+    prompt_ids, engine, out, schemas = _loop(tokenizer, pool, tools_file, [thinking + CALL, "50"])
+    t = out[0]
+    assert (t.num_turns, t.tool_calls, t.tool_errors) == (2, 1, 0)
+    assert [kind for kind, _ in t.segments] == ["sampled", "tool", "sampled"]
+    assert t.response_ids == [i for _, ids in t.segments for i in ids]
+    tool = tokenizer.decode(t.segments[1][1])
+    assert tool == (
+        "\n<|im_start|>user\n<tool_response>\n50\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    whole = list(chat_prompt_ids(tokenizer, t.messages[:-1], tools=schemas))
+    assert whole[-len(t.segments[1][1]) :] == t.segments[1][1]
+    second = engine.calls[1][0].tolist()
+    assert second == prompt_ids.tolist() + t.segments[0][1] + t.segments[1][1]
+    check_tool_template(tokenizer, schemas)
+
+
+DECLARED_CALL = '<function=add>{"a": 20, "b": 30}</function>'
+
+
+def test_a_declared_call_format_is_read_by_the_tokenizers_response_template(pool, tools_file):
+    tokenizer = build_hermes_tokenizer(DECLARED_TEMPLATE, DECLARED_RESPONSE_TEMPLATE)
+    script = [DECLARED_CALL + " and more", "50"]
+    prompt_ids, engine, out, schemas = _loop(tokenizer, pool, tools_file, script)
+    t = out[0]
+    assert (t.num_turns, t.tool_calls, t.tool_errors) == (2, 1, 0)
+    # Cut right after the format's closing text (sampled one character a token).
+    assert tokenizer.decode(t.segments[0][1]) == DECLARED_CALL
+    assert t.messages[2] == {"role": "tool", "name": "add", "content": "50"}
+    assert tokenizer.decode(t.segments[1][1]) == (
+        "<|im_end|>\n<|im_start|>tool\n50<|im_end|>\n<|im_start|>assistant\n"
+    )
+    second = engine.calls[1][0].tolist()
+    assert second == prompt_ids.tolist() + t.segments[0][1] + t.segments[1][1]
+    check_tool_template(tokenizer, schemas)
+    # The declared format is the one read: a Hermes call is plain text to this policy.
+    _, _, hermes, _ = _loop(tokenizer, pool, tools_file, [CALL, "50"])
+    assert (hermes[0].num_turns, hermes[0].tool_calls) == (1, 0)
+
+
+def test_a_declared_call_that_does_not_parse_is_an_error_message(pool, tools_file):
+    tokenizer = build_hermes_tokenizer(DECLARED_TEMPLATE, DECLARED_RESPONSE_TEMPLATE)
+    _, _, out, _ = _loop(tokenizer, pool, tools_file, ["<function=add>{a: 1,</function>", "no"])
+    t = out[0]
+    assert (t.num_turns, t.tool_calls, t.tool_errors) == (2, 1, 1)
+    assert t.messages[2]["content"].startswith("error: the tool call does not parse (")
+    # Arguments are cast by the tool's schema, as transformers' parser does.
+    schemas = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    calls = parse_declared_calls(
+        tokenizer, '<function=add>{"a": "7", "b": 2}</function>', prefix="", tools=schemas
+    )
+    assert calls == [ToolCall("add", {"a": 7, "b": 2})]
