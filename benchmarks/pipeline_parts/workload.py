@@ -5,6 +5,7 @@ report."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,8 +215,12 @@ def ppoflow_config(
     threads: int,
     extra: Sequence[str] = (),
 ) -> Any:
+    """The config of one measured ppoflow run in ``run_dir``. A measured run keeps nothing:
+    ``run_dir`` is emptied first, so ``trainer.resume=never`` finds no earlier run to move aside
+    (no ``<run_dir>.old-N`` folders pile up across repeats)."""
     from infra.config import load_config
 
+    shutil.rmtree(run_dir, ignore_errors=True)
     if mode in VARLEN_MODES:
         return load_config(
             None, [*_varlen_overrides(work), *_common(mode, run_dir, total_steps, threads), *extra]
