@@ -402,8 +402,7 @@ def child_rollout_engine(setup: Setup) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from infra.engines import engine_options, make_engine
-    from infra.workers import pad_token_id, stop_token_ids
+    from infra.engines import engine_options, make_engine, pad_token_id, stop_token_ids
 
     cfg = setup.config()
     paths = setup.assets()

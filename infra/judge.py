@@ -14,15 +14,15 @@ The judge's prompt for one sample is rendered in two steps:
    ``reward.judge.max_new_tokens`` tokens, greedy at ``reward.judge.temperature`` 0. The verdict
    is the generated text, special tokens skipped.
 
-``Judge`` holds the model on a worker (``Sleepable``: it takes turns with the other models of
-the pool). The flow process parses the verdicts with ``reward.judge.parse``: a function
+``infra.judge_model.Judge`` holds the model on a worker (``Sleepable``: it takes turns with the
+other models of the pool). The flow process parses the verdicts with ``reward.judge.parse``: a function
 ``(verdict: str) -> float | None`` from a file or module (``{path, name}``, loaded like
 ``reward.functions``) or a built-in (``yes_no``, ``last_number``). None counts as a parse failure
 and scores ``reward.judge.on_parse_error``; a parse function that raises, or returns anything but
 a finite number or None, fails the batch with ``JudgeParseError`` (``judge_scores``).
 
-This module imports the standard library only at the top (Jinja, torch and transformers when
-used), so the configuration can check a template without loading a model.
+This module imports the standard library only at the top (Jinja and transformers when used), so
+the configuration can check a template without loading a model.
 """
 
 from __future__ import annotations
@@ -31,15 +31,13 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    import torch
     from jinja2 import Template
 
 __all__ = [
     "BUILTIN_PARSERS",
-    "Judge",
     "JudgeInput",
     "JudgeParseError",
     "JudgeScores",
@@ -297,7 +295,7 @@ def judge_scores(
     return JudgeScores(values=values, failed=failed)
 
 
-# --- the model on a worker -----------------------------------------------------------------
+# --- what the judge model reads of a sample -------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -308,92 +306,3 @@ class JudgeInput:
     response: str
     ground_truth: Any
     data_source: str
-
-
-class Judge:
-    """The judge model on one worker: its own tokenizer (from ``model_path``), the rendered
-    template and a generation engine of kind ``engine`` (``infra.engines.make_engine``, with
-    ``engine_options``); ``Sleepable`` like the rollout engine. Verdicts are generated in
-    batches of ``batch_size`` prompts."""
-
-    def __init__(
-        self,
-        model_path: str | Path,
-        *,
-        template: str,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        batch_size: int = 64,
-        engine: Literal["hf", "vllm"] = "hf",
-        engine_options: dict[str, Any] | None = None,
-    ) -> None:
-        import torch
-        from transformers import AutoTokenizer
-
-        from infra.engines import make_engine
-        from infra.workers import pad_token_id, stop_token_ids
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.template = compile_template(template)
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.batch_size = batch_size
-        self.engine = make_engine(
-            engine,
-            model_path,
-            device=str(device),
-            dtype=dtype or torch.float32,
-            eos_token_id=stop_token_ids(self.tokenizer, str(model_path)),
-            pad_token_id=pad_token_id(self.tokenizer),
-            **(engine_options or {}),
-        )
-
-    @property
-    def is_awake(self) -> bool:
-        return self.engine.is_awake
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake_up(self) -> None:
-        self.engine.wake_up()
-
-    def prompt_ids(self, sample: JudgeInput) -> list[int]:
-        """The judge's prompt for ``sample``: the template's message in the judge's chat
-        template, with the generation prompt."""
-        from infra.rl_data import chat_prompt_ids
-
-        text = render_template(
-            self.template,
-            {
-                "question": sample.question,
-                "response": sample.response,
-                "ground_truth": sample.ground_truth,
-                "data_source": sample.data_source,
-            },
-        )
-        return list(chat_prompt_ids(self.tokenizer, [{"role": "user", "content": text}]))
-
-    def verdicts(self, samples: Sequence[JudgeInput], *, seed: int) -> list[str]:
-        """One verdict per sample, in order (each at most ``max_new_tokens`` tokens)."""
-        import torch
-
-        out: list[str] = []
-        for start in range(0, len(samples), self.batch_size):
-            chunk = samples[start : start + self.batch_size]
-            prompts = [torch.tensor(self.prompt_ids(s), dtype=torch.int64) for s in chunk]
-            generated = self.engine.generate(
-                prompts,
-                n=1,
-                max_new_tokens=self.max_new_tokens,
-                temperature=self.temperature,
-                seed=seed + start,
-            )
-            out.extend(
-                self.tokenizer.batch_decode(
-                    [r.tolist() for r in generated.response_ids], skip_special_tokens=True
-                )
-            )
-        return out

@@ -2,7 +2,7 @@
 
 A ``ModelWorker`` owns some of the roles ``rollout`` (generation engine), ``reward`` (reward
 model, or an ensemble whose members wake and sleep together), ``judge`` (an LLM judge,
-``infra.judge``), ``teacher`` (on-policy distillation's frozen teacher), ``actor`` (policy +
+``infra.judge_model``), ``teacher`` (on-policy distillation's frozen teacher), ``actor`` (policy +
 optimizer), ``ref`` (frozen reference policy) and ``critic`` (value model + optimizer), and a handle on the run's store. It
 knows nothing of the stages: a stage hands it a function, ``worker.run(fn, shard, ...)`` calls
 ``fn(worker, shard, ...)`` in the worker's process, and that function reads the shard's rows from the store, wakes the role
@@ -53,6 +53,7 @@ import torch
 
 from infra.colocate import ColocatedGroup, TrainableModel
 from infra.config import OptimConfig, Strategy, TrainConfig
+from infra.engines import pad_token_id, stop_token_ids
 from infra.engines.probe import (
     ProbeExpectation,
     WeightSyncError,
@@ -66,7 +67,7 @@ from storage import BatchMeta
 
 if TYPE_CHECKING:
     from infra.engines.base import GenerationEngine, Sleepable
-    from infra.judge import Judge
+    from infra.judge_model import Judge
     from infra.reward_model import RewardScorer
 
 P = ParamSpec("P")
@@ -100,32 +101,6 @@ class WorkerSpec:
     def trains(self) -> bool:
         """Holds the actor: a data-parallel trainer (one of ``world_size``)."""
         return "actor" in self.roles
-
-
-def pad_token_id(tokenizer: Any) -> int:
-    """The pad id; tokenizers without one (Llama-3 style) pad with EOS (padding is masked)."""
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
-
-
-def stop_token_ids(tokenizer: Any, model_path: str) -> tuple[int, ...]:
-    """Tokens that end a response: the tokenizer's EOS and the model's generation-config EOS
-    ids (chat models end a turn with e.g. ``<|im_end|>`` or ``<|eot_id|>``)."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except (OSError, ValueError):
-        eos = None
-    for value in [eos] if isinstance(eos, int) else list(eos or []):
-        if int(value) not in ids:
-            ids.append(int(value))
-    return tuple(ids)
 
 
 def _seed_everything(seed: int) -> None:
@@ -254,7 +229,7 @@ class ModelWorker:
 
     def _build_judge(self) -> None:
         from infra.engines import vllm_options
-        from infra.judge import Judge
+        from infra.judge_model import Judge
 
         judge = self.cfg.reward.judge
         assert self.spec.judge_path is not None and judge is not None, "judge role needs both"

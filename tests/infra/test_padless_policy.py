@@ -10,7 +10,8 @@ from byo_assets import build_reward_tokenizer  # a Llama-3-style tokenizer witho
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from infra.config import load_config
-from infra.workers import ModelWorker, WorkerSpec, pad_token_id, stop_token_ids
+from infra.engines import pad_token_id, stop_token_ids
+from infra.workers import ModelWorker, WorkerSpec
 from storage import BatchMeta, open_store
 from tasks.generate.stage import generate_rows, sample_meta
 from tasks.io import nested, rows
