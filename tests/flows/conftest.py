@@ -47,15 +47,15 @@ def prefect_api(prefect_server: LocalServer) -> Iterator[LocalServer]:
 
 @pytest.fixture(scope="module")
 def judge_overrides(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """``models.judge`` and ``reward.judge`` for the tiny judge (tests/judge_assets.py), its
-    template in a file."""
-    from judge_assets import PROMPT_TEMPLATE, build_tiny_judge
+    """``models.judge`` and ``reward.judge`` for the marker judge (tests/judge_assets.py): "yes"
+    exactly when ``agrees(response, ground_truth)``; its template in a file."""
+    from judge_assets import AGREE_TEMPLATE, build_marker_judge
 
     root = tmp_path_factory.mktemp("judge")
     template = root / "judge.jinja"
-    template.write_text(PROMPT_TEMPLATE)
+    template.write_text(AGREE_TEMPLATE)
     return [
-        f"models.judge={build_tiny_judge(root / 'judge')}",
+        f"models.judge={build_marker_judge(root / 'judge')}",
         f"reward.judge.template={template}",
         "reward.judge.parse={name: yes_no}",
         "reward.judge.weight=0.5",

@@ -69,7 +69,7 @@ def test_dynamic_sampling_refills_through_vllm(
 
 
 def test_a_vllm_judge_scores_beside_the_vllm_rollout(
-    require_vllm, prefect_harness, ray_local, tiny_overrides, judge_overrides
+    require_vllm, prefect_harness, ray_local, assets, tiny_overrides, judge_overrides
 ) -> None:
     from flows.train import ppo_train
 
@@ -79,7 +79,8 @@ def test_a_vllm_judge_scores_beside_the_vllm_rollout(
     )
     state = ppo_train(cfg, return_state=True)
     assert state.is_completed(), state.message
-    _assert_judged(_rows(cfg.resolved_run_dir), 2)  # the judge's vLLM engine answered "yes"
+    # The judge's vLLM engine gave each sample the verdict its response and ground truth call for.
+    _assert_judged(cfg, _rows(cfg.resolved_run_dir), 2, assets.train_data)
 
 
 @pytest.mark.parametrize("mode", ["sync", "separate_async"])
