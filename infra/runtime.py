@@ -26,11 +26,6 @@ class Runtime:
     pools: list[ResourcePool] = field(default_factory=list)
     started_ray: bool = False
 
-    @property
-    def scoring_group(self) -> WorkerGroup:
-        """The workers that score: the reward model's, else the rollout's (rule, decoding)."""
-        return self.reward_group if self.reward_group is not None else self.rollout_group
-
     def groups(self) -> list[WorkerGroup]:
         """Each worker group once (pools that share a group list it once)."""
         found = {

@@ -48,11 +48,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
-    """The numpy dtype that stores the bits of a supported torch dtype."""
-    return _NUMPY_OF[dtype]
-
-
 @dataclass(frozen=True)
 class FieldSpec:
     """What one row of a field holds.
@@ -104,11 +99,6 @@ class FieldSpec:
         """The numpy dtype of stored elements (uint8 UTF-8 JSON bytes for object fields)."""
         return np.dtype(np.uint8) if self.dtype is None else _NUMPY_OF[self.dtype]
 
-    @property
-    def ragged(self) -> bool:
-        """True when rows are stored as values + offsets (jagged and object fields)."""
-        return self.kind != "dense"
-
     def describe(self) -> str:
         """Short text for messages: `jagged int64`, `dense float32 (3,)`, `object`."""
         if self.dtype is None:
@@ -143,13 +133,11 @@ VOCABULARY: Mapping[str, FieldSpec] = MappingProxyType(
         "data_source": FieldSpec.objects(),
         "extra_info": FieldSpec.objects(),
         "group_ids": FieldSpec.dense(torch.int64),
-        "response_mask": FieldSpec.jagged(torch.bool),
         "rollout_logprobs": FieldSpec.jagged(torch.float32),
         "old_logprobs": FieldSpec.jagged(torch.float32),
         "ref_logprobs": FieldSpec.jagged(torch.float32),
         "teacher_logprobs": FieldSpec.jagged(torch.float32),  # on-policy distillation's teacher
         "values": FieldSpec.jagged(torch.float32),
-        "token_rewards": FieldSpec.jagged(torch.float32),
         "advantages": FieldSpec.jagged(torch.float32),
         "returns": FieldSpec.jagged(torch.float32),
         "rm_scores": FieldSpec.jagged(torch.float32),

@@ -8,8 +8,8 @@ argument and nothing here moves the controller: the task returns the batch's KL 
 (``AdvantageResult.reward_kl``) and the controller moves on it when the step commits
 (flows.loop), so a retried task computes the same rows. What the stage reads, and whether it
 measures ``actor/kl_to_ref``, is the step plan's (``tasks.plan``). In a multi-turn run the
-written ``response_mask`` is True on sampled tokens only (``loss_mask``), the score sits on the
-last sampled token, and the stage logs the ``agent/*`` metrics of the batch. With on-policy
+estimator's ``response_mask`` is True on sampled tokens only (``loss_mask``), the score sits on
+the last sampled token, and the stage logs the ``agent/*`` metrics of the batch. With on-policy
 distillation (``algorithm.distill``) it reads the teacher's and the student's log-probs, logs
 ``distill/*`` and, in ``reverse_kl`` mode, adds the distillation signal to the advantages
 (``distill``).
@@ -35,7 +35,7 @@ from tasks.masks import last_true, masked_mean
 from tasks.plan import AGENT_READS, StepPlan
 from tasks.score.core import lengths_to_mask, place_scores
 
-WRITES = ("response_mask", "token_rewards", "advantages", "returns")
+WRITES = ("advantages", "returns")
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class AdvantageResult(StageResult):
 
 @dataclass(frozen=True)
 class Computed:
-    """Padded (B, T) tensors of everything the stage writes, the metrics and the mean KL
-    penalty (None: no KL in the reward)."""
+    """Padded (B, T) tensors of the estimator's inputs and outputs (the stage writes those named
+    in ``WRITES``), the metrics and the mean KL penalty (None: no KL in the reward)."""
 
     tensors: dict[str, Tensor]
     metrics: Metrics

@@ -43,7 +43,6 @@ AGENT_WRITES = (
     "tool_errors",
     "truncated_tool_responses",
 )
-PROMPT_FIELDS = ("prompt_ids", "raw_prompt", "ground_truth", "data_source", "extra_info")
 
 
 def sample_keys(uids: list[str], n: int) -> list[str]:

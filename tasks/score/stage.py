@@ -85,7 +85,6 @@ if TYPE_CHECKING:
     from infra.judge import JudgeScores
     from infra.reward_functions import FunctionScores
 
-READS = ("prompt_ids", "response_ids", "raw_prompt", "ground_truth", "data_source", "extra_info")
 FUNCTION_READS = ("ground_truth", "data_source", "extra_info")  # in the flow process
 
 

@@ -184,10 +184,6 @@ class ActorUpdateSettings:
             sapo_tau_neg=self.sapo_tau_neg,
         )
 
-    @property
-    def gradient_accumulation(self) -> int:
-        return self.mini_batch_size // self.micro_batch_size
-
 
 @dataclass(frozen=True, kw_only=True)
 class CriticUpdateSettings:
@@ -213,10 +209,6 @@ class CriticUpdateSettings:
         )
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg {self.agg!r} is not one of {sorted(AGGREGATIONS)}")
-
-    @property
-    def gradient_accumulation(self) -> int:
-        return self.mini_batch_size // self.micro_batch_size
 
 
 def count_minibatch_units(*, response_mask: Tensor, mini_batch_size: int, agg: str) -> list[float]:

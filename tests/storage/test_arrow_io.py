@@ -19,7 +19,7 @@ def _fill(store: Store, pid: str) -> dict[str, object]:
     )
     fields = {
         "prompt_ids": [torch.arange(k) for k in (3, 0, 5, 1)],
-        "response_mask": [torch.tensor([True, False])[: k % 3] for k in range(4)],
+        "loss_mask": [torch.tensor([True, False])[: k % 3] for k in range(4)],
         "raw_prompt": [[{"role": "user", "content": "hé"}], "text", None, {"n": [1, 2.5]}],
         "group_ids": torch.tensor([0, 0, 1, 1]),
         "hidden": torch.randn(4, 2, 2).to(torch.bfloat16),

@@ -77,7 +77,7 @@ def _every_kind(n: int, seed: int) -> dict[str, Any]:
         "scores": scores,
         "hidden": torch.randn(n, 2, 3, generator=g).to(torch.bfloat16),
         "prompt_ids": [torch.randint(-(2**40), 2**40, (k,), generator=g) for k in lengths],
-        "response_mask": [torch.rand(k, generator=g) > 0.5 for k in lengths],
+        "loss_mask": [torch.rand(k, generator=g) > 0.5 for k in lengths],
         "kl_terms": [torch.randn(k, generator=g, dtype=torch.float64) for k in lengths],
         "raw_prompt": [[{"role": "user", "content": f"{i} · ünïcode ✓"}] for i in range(n)],
         "ground_truth": [None if i % 3 == 0 else {"answer": i, "ok": i % 2 == 0} for i in range(n)],

@@ -19,13 +19,13 @@ def test_vocabulary_specs_match_the_design() -> None:
     jagged_int = {"prompt_ids", "response_ids"}
     jagged_float = {
         "rollout_logprobs", "old_logprobs", "ref_logprobs", "values",
-        "token_rewards", "advantages", "returns", "rm_scores",
+        "advantages", "returns", "rm_scores",
     }  # fmt: skip
     for name in jagged_int:
         assert VOCABULARY[name] == FieldSpec.jagged(torch.int64)
     for name in jagged_float:
         assert VOCABULARY[name] == FieldSpec.jagged(torch.float32)
-    assert VOCABULARY["response_mask"] == FieldSpec.jagged(torch.bool)
+    assert VOCABULARY["loss_mask"] == FieldSpec.jagged(torch.bool)
     assert VOCABULARY["raw_prompt"] == VOCABULARY["ground_truth"] == FieldSpec.objects()
     assert VOCABULARY["group_ids"] == FieldSpec.dense(torch.int64, ())
     assert VOCABULARY["rollout_version"] == FieldSpec.dense(torch.int64)

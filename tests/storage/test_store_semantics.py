@@ -28,7 +28,7 @@ def _batch(n: int = 5, seed: int = 0) -> dict[str, Any]:
     lengths[0] = 0  # an empty row must survive
     return {
         "prompt_ids": [torch.randint(0, 50, (k,), generator=g) for k in lengths],
-        "response_mask": torch.nested.nested_tensor_from_jagged(
+        "loss_mask": torch.nested.nested_tensor_from_jagged(
             torch.rand(sum(lengths), generator=g) > 0.5,
             torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
         ),
@@ -76,12 +76,12 @@ def test_round_trip_returns_every_kind_and_dtype_in_request_order(store: Store, 
     td = store.kv_batch_get([f"k{i}" for i in order], pid, list(batch), timeout=5)
     assert td.batch_size == torch.Size([5])
     _assert_rows(td, batch, order)
-    for name in ("prompt_ids", "response_mask", "old_logprobs", "kl_terms"):
+    for name in ("prompt_ids", "loss_mask", "old_logprobs", "kl_terms"):
         assert td[name].layout == torch.jagged
     assert td["prompt_ids"].offsets().diff().tolist() == [
         len(batch["prompt_ids"][i]) for i in order
     ]
-    dtypes = {"prompt_ids": torch.int64, "response_mask": torch.bool, "old_logprobs": torch.float32,
+    dtypes = {"prompt_ids": torch.int64, "loss_mask": torch.bool, "old_logprobs": torch.float32,
               "kl_terms": torch.float64, "group_ids": torch.int64, "scores": torch.float32,
               "hidden": torch.bfloat16}  # fmt: skip
     assert {name: td[name].dtype for name in dtypes} == dtypes
