@@ -5,18 +5,24 @@ after the last step, through the ``validate`` task (tasks.validate.stage):
   ``rollout.val_temperature``, every reward of the run (``val-core/<data_source>/reward/mean@n``);
 - the built-in task: one greedy answer to each held-out prompt, scored by the rule alone
   (``eval/rule_accuracy``, the honest metric beside the learned reward model's score).
+
+Each evaluation shows its progress over its parts (generated, scored) as lines on stderr, at
+least every 30 s while a part runs, and in the run's ``<run name>-eval`` progress artifact
+(``flows.progress``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from flows.progress import run_artifact, step_phase_progress
 from infra.data import PromptRow
+from infra.progress import Progress
 from tasks.context import Metrics, StageContext
 from tasks.plan import Scoring
 from tasks.validate.stage import Validation
 
-Validate = Callable[[StageContext, Validation, int], Metrics]
+Validate = Callable[[StageContext, Validation, int, Progress], Metrics]
 
 
 class Evaluator:
@@ -49,6 +55,7 @@ class Evaluator:
             )
             self.job = Validation(rows=heldout, n=1, temperature=0.0, scoring=rule)
         self.rule_only = not val_rows
+        self.artifact = run_artifact(ctx.cfg, "eval", "evaluation, parts done (generated, scored)")
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +67,11 @@ class Evaluator:
     def __call__(self, step: int) -> Metrics:
         if self.job is None:
             return {}
-        metrics = self.validate(self.ctx, self.job, step)
+        job = self.job
+        label = f"evaluation at step {step} ({len(job.rows)} prompts x {job.n}), generate+score"
+        progress = step_phase_progress(label, self.artifact)
+        with progress.heartbeat():
+            metrics = self.validate(self.ctx, job, step, progress)
         if self.rule_only:  # the built-in task reports its rule accuracy alone
             return {"eval/rule_accuracy": metrics["eval/rule_accuracy"]}
         return metrics

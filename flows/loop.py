@@ -37,6 +37,7 @@ from flows.sampling import Sampler
 from infra.config import TrainConfig
 from infra.faults import FaultPlan, strike
 from infra.group import WorkerDied
+from infra.progress import Progress
 from infra.runtime import Runtime
 from infra.workers import ModelWorker
 from storage import BatchMeta, ShardLost
@@ -147,8 +148,10 @@ class Trainer:
         self.carried: dict[int, Metrics] = {}  # metrics for a step not run yet (restarts)
         self.ready: dict[int, StageResult] = {}  # produced steps a checkpoint restored
 
-    def _validate(self, ctx: StageContext, job: Validation, step: int) -> Metrics:
-        return validate.with_options(**self.retry)(ctx, job, step)
+    def _validate(
+        self, ctx: StageContext, job: Validation, step: int, progress: Progress
+    ) -> Metrics:
+        return validate.with_options(**self.retry)(ctx, job, step, progress)
 
     # ------------------------------------------------------------------ resume / checkpoint
     def resume(self) -> int:

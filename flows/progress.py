@@ -1,40 +1,91 @@
-"""Progress of one phase of a run before its RL steps (SFT, a reward model, the teacher's run):
-``phase_progress(cfg, label, key)`` gives the ``progress(done, total)`` callback the training
-loops call (``infra.progress``).
+"""Progress of a run's long phases besides the RL steps' own report (flows/report.py): before
+the steps, building the assets and the warm start's SFT and reward models; inside the steps,
+each evaluation and each step's dynamic-sampling rounds. The work calls ``progress(done,
+total)`` (``infra.progress``).
 
-1. On a terminal (``trainer.progress_bar`` and stderr a tty): a bar; otherwise a line on stderr
-   when the phase starts, at least every 30 s, and at its end (``infra.progress.LineProgress``).
-2. In a Prefect flow or task run: a progress artifact ``<run name>-<key>`` (0 to 100),
-   updated at most every ``trainer.artifact_interval_s`` and at the end. An API that does not
-   answer costs one warning; the phase goes on without the artifact.
+1. Before the RL steps (``phase_progress``), on a terminal (``trainer.progress_bar`` and stderr
+   a tty): a bar. Otherwise, and always inside the RL steps (``step_phase_progress``), lines on
+   stderr: when the phase starts, at least every 30 s, and at its end
+   (``infra.progress.LineProgress``; ``heartbeat()`` keeps them coming while one part runs
+   long). Inside the steps the run's bar (``RunReport``) holds rich's live display: a second
+   bar would raise ``LiveError`` (an older rich) or stack under it (a newer one), while a line
+   on stderr is printed above the run's bar.
+2. In a Prefect flow or task run: a progress artifact ``<run name>-<key>`` (0 to 100), created
+   at the first report, then updated in place at most every ``trainer.artifact_interval_s`` and
+   at each phase's end. A phase that comes back (an evaluation, a step's sampling) keeps one
+   artifact for the run. An API that does not answer costs one warning; the run goes on
+   without that artifact.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 from uuid import UUID
 
 from infra.config import TrainConfig
-from infra.progress import LineProgress, Progress
+from infra.progress import LineProgress
 
 LINE_INTERVAL_S = 30.0
 log = logging.getLogger(__name__)
 
 
-class PhaseProgress:
-    """See the module docstring."""
+class ProgressArtifact:
+    """The Prefect progress artifact ``key`` (see the module docstring, 2.)."""
 
-    def __init__(self, label: str, *, key: str, bar: bool, artifact_interval_s: float) -> None:
-        self.label, self.key, self.artifact_interval_s = label, key, artifact_interval_s
-        self.lines = None if bar else LineProgress(label, interval_s=LINE_INTERVAL_S)
+    def __init__(self, key: str, *, description: str, interval_s: float) -> None:
+        self.key, self.description, self.interval_s = key, description, interval_s
+        self.id: UUID | None = None
+        self.failed = False
+        self.published = -math.inf
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done >= total or now - self.published >= self.interval_s:
+            self.published = now
+            self._publish(100.0 * done / total if total else 100.0)
+
+    def _publish(self, percent: float) -> None:
+        if self.failed:
+            return
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+        from prefect.context import get_run_context
+
+        try:
+            get_run_context()
+        except RuntimeError:  # not in a flow or task run: no artifact
+            return
+        try:
+            if self.id is None:
+                self.id = cast(
+                    UUID,
+                    create_progress_artifact(
+                        progress=percent, key=self.key, description=self.description
+                    ),
+                )
+            else:
+                update_progress_artifact(self.id, progress=percent)
+        except Exception as exc:  # noqa: BLE001 - the API's failure must not stop the run
+            self.failed = True
+            log.warning("progress artifact %s not updated (%s); the run goes on", self.key, exc)
+
+
+class PhaseProgress:
+    """One phase's ``progress(done, total)``: a bar or lines, and its artifact."""
+
+    def __init__(
+        self, label: str, *, artifact: ProgressArtifact, bar: bool, quiet_s: float = 0.0
+    ) -> None:
+        self.label, self.artifact = label, artifact
+        self.lines = (
+            None if bar else LineProgress(label, interval_s=LINE_INTERVAL_S, quiet_s=quiet_s)
+        )
         self.bar: Any = None
         self.task: Any = None
-        self.artifact: UUID | None = None
-        self.artifact_failed = False
-        self.published = 0.0
         if bar:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -52,44 +103,37 @@ class PhaseProgress:
             self.bar.update(self.task, completed=done)
             if done >= total:
                 self.bar.stop()
-        now = time.monotonic()
-        if done >= total or now - self.published >= self.artifact_interval_s:
-            self.published = now
-            self._publish(100.0 * done / total if total else 100.0)
+        self.artifact(done, total)
 
-    def _publish(self, percent: float) -> None:
-        if self.artifact_failed:
-            return
-        from prefect.artifacts import create_progress_artifact, update_progress_artifact
-        from prefect.context import get_run_context
-
-        try:
-            get_run_context()
-        except RuntimeError:  # not in a flow or task run: no artifact
-            return
-        try:
-            if self.artifact is None:
-                self.artifact = cast(
-                    UUID,
-                    create_progress_artifact(
-                        progress=percent, key=self.key, description=f"ppoflow: {self.label}"
-                    ),
-                )
-            else:
-                update_progress_artifact(self.artifact, progress=percent)
-        except Exception as exc:  # noqa: BLE001 - the API's failure must not stop the phase
-            self.artifact_failed = True
-            log.warning("progress artifact %s not updated (%s); the phase goes on", self.key, exc)
+    def heartbeat(self) -> AbstractContextManager[None]:
+        """Lines between two calls too (``LineProgress.heartbeat``); a bar keeps its own clock."""
+        return self.lines.heartbeat() if self.lines is not None else nullcontext()
 
 
-def phase_progress(cfg: TrainConfig, label: str, key: str) -> Progress:
-    """The progress callback of phase ``label``, its artifact under ``<cfg.name>-<key>``."""
+def run_artifact(cfg: TrainConfig, key: str, what: str) -> ProgressArtifact:
+    """The run's progress artifact ``<cfg.name>-<key>``, described as ``what``."""
     from flows.report import artifact_key
 
+    return ProgressArtifact(
+        artifact_key(cfg.name, key),
+        description=f"ppoflow: {what}",
+        interval_s=cfg.trainer.artifact_interval_s,
+    )
+
+
+def phase_progress(cfg: TrainConfig, label: str, key: str) -> PhaseProgress:
+    """A phase before the RL steps: a bar on a terminal, else lines; its artifact
+    ``<cfg.name>-<key>``."""
     bar = cfg.trainer.progress_bar and sys.stderr.isatty()
+    return PhaseProgress(label, artifact=run_artifact(cfg, key, label), bar=bar)
+
+
+def step_phase_progress(
+    label: str, artifact: ProgressArtifact, *, quiet: bool = False
+) -> PhaseProgress:
+    """A phase inside the RL steps: lines, never a bar (see the module docstring, 1.), and the
+    run's ``artifact`` for this kind of phase. ``quiet``: no line until the phase has run one
+    line interval (``LineProgress.quiet_s``)."""
     return PhaseProgress(
-        label,
-        key=artifact_key(cfg.name, key),
-        bar=bar,
-        artifact_interval_s=cfg.trainer.artifact_interval_s,
+        label, artifact=artifact, bar=False, quiet_s=LINE_INTERVAL_S if quiet else 0.0
     )

@@ -67,13 +67,16 @@ def build_assets(cfg: TrainConfig) -> dict[str, str]:
     from infra.agent_task import build_agent_assets
     from infra.assets import build_tiny_assets
 
+    # Progress over the build's parts; reused assets show none.
+    progress = phase_progress(cfg, "building the tiny assets", "assets")
     # A folder per seed (the models' initial weights and the data split depend on it): runs of
     # different seeds never rebuild each other's assets.
     if cfg.data.builtin_task == "agent":
         root = cfg.models.assets_dir / "agent" / f"seed-{cfg.seed}"
-        paths = build_agent_assets(root, seed=cfg.seed)
+        paths = build_agent_assets(root, seed=cfg.seed, progress=progress)
     else:
-        paths = build_tiny_assets(cfg.models.assets_dir / f"seed-{cfg.seed}", seed=cfg.seed)
+        root = cfg.models.assets_dir / f"seed-{cfg.seed}"
+        paths = build_tiny_assets(root, seed=cfg.seed, progress=progress)
     return {k: str(v) for k, v in asdict(paths).items()}
 
 

@@ -12,6 +12,13 @@ what it kept and says so in ``filter/*``.
 The training loop (``sync``, ``colocate_async``) and the ``separate_async`` producer both run a
 step's rollout through ``Sampler``, so the rounds are the same in every mode, with the reward
 model wherever the mode puts it (it wakes for each round's scoring).
+
+With filtering on, each round's filter reports the groups kept out of ``prompts_per_step`` to
+the run's ``<run name>-refill`` progress artifact and as lines on stderr (``flows.progress``).
+The lines wait until the step's sampling has run one line interval (30 s), then come at least
+that often until the step has its groups: a filtered run refills nearly every step, and the
+step's ``filter/*`` metrics already say how its rounds went, so a line per round would double
+a fast run's log; a slow step is when a user needs to see that it is still refilling.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from typing import TYPE_CHECKING
 
 from prefect import get_run_logger
 
+from flows.progress import run_artifact, step_phase_progress
+from infra.progress import Progress
 from storage import BatchMeta
 from tasks.context import Metrics, StageContext, StageResult, Timings
 from tasks.filter.core import refill_size
@@ -62,22 +71,33 @@ class Sampler:
 
     def __init__(self, ctx: StageContext, retry: RetryOptions, draw: Draw) -> None:
         self.ctx, self.retry, self.draw = ctx, retry, draw
+        self.artifact = run_artifact(ctx.cfg, "refill", "dynamic sampling, groups kept")
 
     def __call__(self, metas: list[BatchMeta], step: int, timed: Timings) -> StageResult:
         """Generate ``metas`` (the step's partition first; colocate_async: later steps' too),
         score the step's rows, and filter and refill when the config asks for it."""
+        if not self.ctx.cfg.algorithm.filter_groups.enabled:
+            scored = self._first_round(metas, step, timed)
+            generated = float(len(scored.meta.keys))
+            return StageResult(scored.meta, {**scored.metrics, GENERATED: generated})
+        label = f"dynamic sampling of step {step}, groups kept"
+        progress = step_phase_progress(label, self.artifact, quiet=True)
+        with progress.heartbeat():  # its clock starts with the step's sampling
+            return self._rounds(self._first_round(metas, step, timed), step, timed, progress)
+
+    def _first_round(self, metas: list[BatchMeta], step: int, timed: Timings) -> StageResult:
+        """Round 0: generate and score the submitted prompts."""
         ctx, retry = self.ctx, self.retry
-        # 1. Round 0: the submitted prompts.
         with timed("generate"):
             meta = generate.with_options(**retry)(ctx, metas, step)[0]
         with timed("score"):
-            scored = score.with_options(**retry)(ctx, meta, step)
-        if not ctx.cfg.algorithm.filter_groups.enabled:
-            generated = float(len(scored.meta.keys))
-            return StageResult(scored.meta, {**scored.metrics, GENERATED: generated})
-        return self._rounds(scored, step, timed)
+            return score.with_options(**retry)(ctx, meta, step)
 
-    def _rounds(self, first: StageResult, step: int, timed: Timings) -> StageResult:
+    def _rounds(
+        self, first: StageResult, step: int, timed: Timings, progress: Progress
+    ) -> StageResult:
+        """Filter round 0's groups and refill until the step has its groups (the module
+        docstring); ``progress`` gets the groups kept after each round."""
         ctx, retry = self.ctx, self.retry
         settings = ctx.cfg.algorithm.filter_groups
         want = ctx.cfg.rollout.prompts_per_step
@@ -86,7 +106,7 @@ class Sampler:
         candidates, kept = first.meta, 0
         judged = dropped = 0
         for r in range(settings.max_rounds):
-            # 2. Filter this round's rows after the groups already kept.
+            # 1. Filter this round's rows after the groups already kept.
             with timed("filter"):
                 cut = filter_groups.with_options(**retry)(
                     ctx, FilterJob(candidates, want=want, round=r), step
@@ -94,9 +114,10 @@ class Sampler:
             judged += len(candidates.keys) // n - kept
             dropped += len(cut.choice.dropped)
             kept = len(cut.choice.kept)
+            progress(kept, want)
             if kept >= want or r + 1 == settings.max_rounds:
                 break
-            # 3. The next round: further prompts, generated and scored on their own.
+            # 2. The next round: further prompts, generated and scored on their own.
             size = refill_size(missing=want - kept, kept=kept, judged=judged, cap=want)
             new = self.draw(step, r + 1, size)
             name = f"[step={step}, round={r + 1}]"

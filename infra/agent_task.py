@@ -141,37 +141,49 @@ def _write_prompts(path: Path, pairs: list[tuple[int, int]]) -> None:
     _write_table(path, table)
 
 
-def build_agent_assets(root: Path, *, seed: int = 0, force: bool = False) -> AssetPaths:
+def build_agent_assets(
+    root: Path, *, seed: int = 0, force: bool = False, progress: Progress | None = None
+) -> AssetPaths:
     """Tokenizer, tiny Llama policy and prompt files under ``root`` (``AssetPaths`` layout; no
     critic or reward model: the task's reward is the exact rule). Idempotent like
-    ``build_tiny_assets``: a manifest written last records what was built."""
+    ``build_tiny_assets``: a manifest written last records what was built. A build reports
+    ``progress`` over its parts (the tokenizer, the policy, each prompt file); reused assets
+    report nothing."""
     from infra.assets import build_lock
 
     with build_lock(Path(root)):
-        return _build_agent_assets(Path(root), seed=seed, force=force)
+        return _build_agent_assets(Path(root), seed=seed, force=force, progress=progress)
 
 
-def _build_agent_assets(root: Path, *, seed: int, force: bool) -> AssetPaths:
+def _build_agent_assets(
+    root: Path, *, seed: int, force: bool, progress: Progress | None = None
+) -> AssetPaths:
     from transformers import LlamaForCausalLM
 
     from infra.assets import AssetPaths, TinyModelSpec, _llama_config, _save_model
+    from infra.progress import Parts
 
     paths = AssetPaths.under(root)
     spec = TinyModelSpec(max_positions=128)
     wanted = {"format_version": FORMAT_VERSION, "seed": seed, "policy": spec.__dict__}
     if not force and paths.manifest.is_file() and json.loads(paths.manifest.read_text()) == wanted:
         return paths
+    built = Parts(progress, total=4)  # the tokenizer, the policy, the two prompt files
     paths.manifest.unlink(missing_ok=True)
     for folder in (paths.tokenizer, paths.policy):
         shutil.rmtree(folder, ignore_errors=True)
     tokenizer = build_agent_tokenizer(paths.tokenizer)
+    built.done()
     _save_model(
         LlamaForCausalLM, _llama_config(spec, tokenizer), tokenizer, paths.policy, seed=seed
     )
+    built.done()
     train, heldout = _pairs(seed)
     _write_prompts(paths.train_data, train)
+    built.done()
     _write_prompts(paths.heldout_data, heldout)
     paths.manifest.write_text(json.dumps(wanted, indent=2, sort_keys=True))
+    built.done()
     return paths
 
 

@@ -38,6 +38,7 @@ from transformers import (
 )
 
 from infra.data import make_addition_dataset
+from infra.progress import Parts, Progress
 
 ASSETS_FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -242,16 +243,21 @@ def build_tiny_assets(
     policy: TinyModelSpec = TinyModelSpec(),
     reward: TinyModelSpec = TinyModelSpec(),
     force: bool = False,
+    progress: Progress | None = None,
 ) -> AssetPaths:
     """Build (or reuse) the tokenizers, tiny models and addition dataset under ``root``.
 
     Idempotent: when ``root/manifest.json`` records the same specs, seed and format version the
     existing assets are returned untouched; otherwise (or with ``force``) they are rebuilt. The
-    manifest is written last, so an interrupted build is redone on the next call.
+    manifest is written last, so an interrupted build is redone on the next call. A build
+    reports ``progress`` over its parts (the tokenizers, each model, the data); reused assets
+    report nothing.
     """
     root = Path(root)
     with build_lock(root):
-        return _build_tiny_assets(root, seed=seed, policy=policy, reward=reward, force=force)
+        return _build_tiny_assets(
+            root, seed=seed, policy=policy, reward=reward, force=force, progress=progress
+        )
 
 
 @contextmanager
@@ -268,13 +274,20 @@ def build_lock(root: Path) -> Iterator[None]:
 
 
 def _build_tiny_assets(
-    root: Path, *, seed: int, policy: TinyModelSpec, reward: TinyModelSpec, force: bool
+    root: Path,
+    *,
+    seed: int,
+    policy: TinyModelSpec,
+    reward: TinyModelSpec,
+    force: bool,
+    progress: Progress | None = None,
 ) -> AssetPaths:
     paths = AssetPaths.under(root)
     wanted = _manifest(seed, policy, reward)
     if not force and _read_manifest(paths.manifest) == wanted:
         return paths
     # 1. Start clean: a stale manifest must not survive a half-finished rebuild.
+    built = Parts(progress, total=6)  # the tokenizers, four models, the data
     paths.manifest.unlink(missing_ok=True)
     for folder in (
         paths.tokenizer,
@@ -287,6 +300,7 @@ def _build_tiny_assets(
     # 2. Tokenizers.
     policy_tokenizer = build_char_tokenizer(paths.tokenizer, variant="policy")
     reward_tokenizer = build_char_tokenizer(paths.reward_model_alt, variant="reward")
+    built.done()
     # 3. Models, each with a fixed seed of its own.
     _save_model(
         LlamaForCausalLM,
@@ -295,6 +309,7 @@ def _build_tiny_assets(
         paths.policy,
         seed=seed,
     )
+    built.done()
     _save_model(
         LlamaForTokenClassification,
         _llama_config(policy, policy_tokenizer, num_labels=1),
@@ -302,6 +317,7 @@ def _build_tiny_assets(
         paths.critic,
         seed=seed + 1,
     )
+    built.done()
     _save_model(
         LlamaForSequenceClassification,
         _llama_config(reward, policy_tokenizer, num_labels=1),
@@ -309,6 +325,7 @@ def _build_tiny_assets(
         paths.reward_model,
         seed=seed + 2,
     )
+    built.done()
     _save_model(
         LlamaForSequenceClassification,
         _llama_config(reward, reward_tokenizer, num_labels=1),
@@ -316,7 +333,9 @@ def _build_tiny_assets(
         paths.reward_model_alt,
         seed=seed + 3,
     )
+    built.done()
     # 4. Data, then the manifest that marks the build complete.
     make_addition_dataset(paths.train_data.parent, seed=seed)
     paths.manifest.write_text(json.dumps(wanted, indent=2, sort_keys=True))
+    built.done()
     return paths

@@ -5,7 +5,8 @@ rewards (``tasks.plan.Scoring``). The run evaluates two kinds: the user's
 ``data.val_files`` (``rollout.val_n`` samples per prompt at ``rollout.val_temperature``, every
 reward of the run) and the built-in task's held-out prompts (one greedy answer each, the rule
 alone). The prompts go through the store like a training step's (partition ``val/step-<N>``,
-cleared at the start and the end): submit → generate → the score stage's ``compute_scores``.
+cleared at the start and the end): submit → generate → the score stage's ``compute_scores``,
+reporting ``progress`` over the two long parts (generated, scored).
 
 Metrics use verl's names, per data source: ``val-core/<data_source>/reward/mean@<n>`` (the
 weighted total), and ``val-aux/<data_source>/<part>/mean@<n>`` for each reward part that
@@ -24,6 +25,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from infra.data import PromptRow
+from infra.progress import Parts, Progress
 from tasks.context import Metrics, StageContext
 from tasks.generate.stage import generate_partition, submit_prompts
 from tasks.io import read
@@ -78,16 +80,21 @@ def _parts(scores: Scores) -> dict[str, list[float]]:
 
 
 @task(name="validate", cache_policy=NO_CACHE, task_run_name="validate[step={step}]")
-def validate(ctx: StageContext, job: Validation, step: int) -> Metrics:
+def validate(
+    ctx: StageContext, job: Validation, step: int, progress: Progress | None = None
+) -> Metrics:
     partition = partition_id(step)
     ctx.rt.store.kv_clear(partition)  # a retried validation starts from nothing
     try:
         # 1. Submit the prompts, 2. generate n answers each, 3. score them.
+        stages = Parts(progress, total=2)  # generated, scored
         meta = submit_prompts(ctx, partition_id=partition, rows=job.rows, n=job.n)
         meta = generate_partition(
             ctx, meta, seed=VALIDATION_SEED, n=job.n, temperature=job.temperature
         )
+        stages.done()
         scores = compute_scores(ctx, meta, job.scoring)
+        stages.done()
         # 4. Means per data source.
         sources = [str(s) for s in read(ctx, meta, ("data_source",))["data_source"]]
         total = per_source_means(sources, scores.total.tolist(), "reward", job.n)
