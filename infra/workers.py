@@ -81,19 +81,20 @@ SHARDABLE: tuple[Role, ...] = ("actor", "ref", "critic")  # a training strategy 
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker needs to build its roles (picklable: travels to the Ray actor). Settings
-    come from ``cfg``, the run's config, read where they are used."""
+    come from ``cfg``, the run's config, read where they are used; ``store_url`` is the store
+    the worker opens (a run's ``store.url``; a test in one process may give ``memory://``)."""
 
     roles: tuple[Role, ...]
     cfg: TrainConfig
     policy_path: str
     tokenizer_path: str
+    store_url: str
     reference_path: str | None = None
     reward_model_path: str | tuple[str, ...] | None = None  # several: an ensemble
     critic_path: str | None = None
     judge_path: str | None = None
     judge_template: str | None = None  # the template's text (``infra.judge.template_text``)
     teacher_path: str | None = None
-    store_url: str = "memory://"
     rank: int = 0
     world_size: int = 1
 

@@ -15,7 +15,7 @@ from storage.base import Store
 from storage.urls import parse_store_url
 
 
-def open_store(url: str = "memory://", *, default_timeout: float | None = None) -> Store:
+def open_store(url: str, *, default_timeout: float | None = None) -> Store:
     """Opens (or attaches to) the store a URL names.
 
     Raises:

@@ -189,6 +189,7 @@ def test_a_lora_actor_is_the_reference_unless_another_folder_is_given(
         policy_path=str(assets.policy),
         tokenizer_path=str(assets.tokenizer),
         reference_path=str(folder),
+        store_url="memory://",
     )
     worker = ModelWorker(spec)
     alone = reference == "policy"

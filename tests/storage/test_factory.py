@@ -26,13 +26,17 @@ def test_bad_urls_are_refused(url: str, message: str) -> None:
 
 
 def test_timeouts_come_from_the_url_or_the_argument() -> None:
-    assert open_store().default_timeout == 300
+    assert open_store("memory://").default_timeout == 300
     assert open_store("memory://?timeout=2.5").default_timeout == 2.5
     assert open_store("memory://?timeout=2.5", default_timeout=7).default_timeout == 7
 
 
 def test_named_memory_stores_are_shared_within_the_process() -> None:
-    first, second, private = open_store("memory://flow"), open_store("memory://flow"), open_store()
+    first, second, private = (
+        open_store("memory://flow"),
+        open_store("memory://flow"),
+        open_store("memory://"),
+    )
     first.kv_batch_put(["a"], "p", {"scores": torch.ones(1)})
     assert second.kv_list("p") == {"a": ["scores"]}
     assert private.kv_list("p") == {}
