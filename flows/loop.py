@@ -12,8 +12,8 @@ How the three modes differ here:
   update on the training pool meanwhile.
 
 Each stage is the imported task itself, called with the run's retry options
-(``retry_options``) and timed by ``Timings``. Resuming and checkpoints are flows.checkpoint's,
-evaluation flows.evaluation's; ``Trainer.run`` returns a ``RunResult``.
+(``flows.retry.retry_options``) and timed by ``Timings``. Resuming and checkpoints are
+flows.checkpoint's, evaluation flows.evaluation's; ``Trainer.run`` returns a ``RunResult``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from flows import stopping
 from flows.checkpoint import checkpoint_run, latest_checkpoint, restore
@@ -31,6 +31,7 @@ from flows.evaluation import Evaluator
 from flows.inputs import Datasets, heldout_rows
 from flows.producer import RolloutProducer
 from flows.report import RunReport
+from flows.retry import retry_options
 from flows.reward_model import ResolvedModels
 from flows.samples import save_step_samples
 from flows.sampling import Sampler
@@ -46,54 +47,11 @@ from tasks.advantage.stage import advantage
 from tasks.context import Metrics, StageContext, StageResult, Timings
 from tasks.generate.stage import submit_prompts
 from tasks.logprobs.stage import logprobs
-from tasks.score.stage import NonFiniteScoreError
 from tasks.update.stage import update
 from tasks.validate.stage import Validation, validate
 
 if TYPE_CHECKING:
-    from prefect import Task
-    from prefect.client.schemas.objects import State, TaskRun
     from transformers import PreTrainedTokenizerBase
-
-
-class RetryOptions(TypedDict):
-    """What every stage task of a run is called with (``orchestration.*``)."""
-
-    retries: int
-    retry_delay_seconds: float
-    timeout_seconds: float | None
-    retry_condition_fn: Callable[[Task[..., Any], TaskRun, State[Any]], bool]
-
-
-def retry_options(cfg: TrainConfig) -> RetryOptions:
-    orch = cfg.orchestration
-    return RetryOptions(
-        retries=orch.retries,
-        retry_delay_seconds=orch.retry_delay_seconds,
-        timeout_seconds=orch.timeout_seconds,
-        retry_condition_fn=retryable,
-    )
-
-
-def retryable(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
-    """Retry a failed stage unless its error would repeat: a reward function that raised or
-    returned a bad value, a non-finite reward-model score, a rollout engine that failed the
-    weight-sync probe (a retry could sync again and hide it); a dead worker or a lost store shard
-    is for the loop's restart (timeouts retry)."""
-    from infra.engines.probe import WeightSyncError
-    from infra.reward_functions import RewardFunctionError
-
-    try:
-        state.result(raise_on_failure=True)
-    except RewardFunctionError as exc:
-        return exc.kind in ("timeout", "died")
-    except (NonFiniteScoreError, WorkerDied, ShardLost):  # the loop restarts for these
-        return False
-    except WeightSyncError:
-        return False
-    except BaseException:  # noqa: BLE001 - anything else may be transient
-        return True
-    return True
 
 
 def partition_id(step: int) -> str:

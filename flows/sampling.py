@@ -38,7 +38,7 @@ from tasks.generate.stage import generate
 from tasks.score.stage import score
 
 if TYPE_CHECKING:
-    from flows.loop import RetryOptions
+    from flows.retry import RetryOptions
 
 Draw = Callable[[int, int, int], BatchMeta]  # (step, round, prompts) → the new rows' handle
 
