@@ -135,7 +135,7 @@ class ModelsConfig(_Section):
 
 
 class WarmstartConfig(_Section):
-    """Supervised warm start of the policy and reward-model training before RL (main job)."""
+    """Supervised warm start of the policy and reward-model training before RL (on by default)."""
 
     enabled: bool = Field(
         True, description="Run SFT + reward-model training when no checkpoints are given."
@@ -1009,7 +1009,10 @@ class TrainerConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """A whole ppoflow run. Every field has a default: `TrainConfig()` is the embedded main job."""
+    """A whole ppoflow run. Every field has a default. The embedded main job is the ``default``
+    preset (``infra/presets/default.yaml``, what ``ppoflow train`` reads without --config:
+    ``flows.cli.MAIN_JOB``): these defaults with a two-model reward ensemble
+    (``warmstart.rm_ensemble=2``, ``reward.uncertainty_penalty=1.0``)."""
 
     name: str = Field("default", description="Run name (directory under runs/).")
     seed: int = Field(0, description="Seed of everything random.")

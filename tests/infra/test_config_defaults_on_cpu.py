@@ -1,5 +1,5 @@
 """The config is the one place a default lives: every settings object is built from it, field for
-field, and the `default` preset is `TrainConfig()` itself."""
+field, and the `default` preset is `TrainConfig()` with a two-model reward ensemble."""
 
 from __future__ import annotations
 
