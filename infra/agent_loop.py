@@ -39,8 +39,9 @@ from infra.tools import ToolCall, ToolResult
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as Tokenizer
 
+    from infra.config import RolloutConfig
+
 __all__ = [
-    "AgentSettings",
     "AgentTemplateError",
     "ToolRunner",
     "Trajectory",
@@ -70,18 +71,6 @@ class ToolRunner(Protocol):
     """Runs tool calls: one result per call, in order, never raising for a bad call."""
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]: ...
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    """The rollout's settings for one batch (``rollout.*``)."""
-
-    max_turns: int
-    max_new_tokens: int
-    max_tool_response_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    min_new_tokens: int = 0
 
 
 @dataclass
@@ -334,12 +323,17 @@ def run_agent_loop(
     raw_prompts: list[Any],
     n: int,
     seed: int,
-    settings: AgentSettings,
+    rollout: RolloutConfig,
+    temperature: float,
+    min_new_tokens: int,
     tools: ToolRunner,
     tool_schemas: list[dict[str, Any]] | None,
     eos_token_ids: Sequence[int],
 ) -> list[Trajectory]:
-    """``n`` trajectories per prompt, prompt-major (see the module docstring)."""
+    """``n`` trajectories per prompt, prompt-major (see the module docstring). ``rollout`` is
+    the run's ``rollout`` section (``max_turns``, ``max_new_tokens``,
+    ``max_tool_response_tokens``, ``top_p``); ``temperature`` and ``min_new_tokens`` are this
+    batch's (the first turn's minimum; a validation batch samples at its own temperature)."""
     turn = _Turn(
         tokenizer=tokenizer,
         format=tool_call_format(tokenizer),
@@ -352,15 +346,15 @@ def run_agent_loop(
     out = engine.generate(
         prompt_ids,
         n=n,
-        max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature,
-        top_p=settings.top_p,
+        max_new_tokens=rollout.max_new_tokens,
+        temperature=temperature,
+        top_p=rollout.top_p,
         seed=seed,
-        min_new_tokens=settings.min_new_tokens,
+        min_new_tokens=min_new_tokens,
     )
     live = list(range(len(trajectories)))
     segments = list(zip(out.response_ids, out.rollout_logprobs))
-    for number in range(1, settings.max_turns + 1):
+    for number in range(1, rollout.max_turns + 1):
         # 2.-4. Keep the sampled turn, run its calls, append the tool turn.
         calls = [
             _take_turn(
@@ -369,23 +363,23 @@ def run_agent_loop(
                 lps,
                 turn,
                 context=_context(contexts[r], trajectories[r]),
-                last=number == settings.max_turns,
+                last=number == rollout.max_turns,
             )
             for r, (ids, lps) in zip(live, segments)
         ]
-        _run_tools(trajectories, live, calls, tools, tokenizer, tool_schemas, settings)
+        _run_tools(trajectories, live, calls, tools, tokenizer, tool_schemas, rollout)
         live = [r for r in live if not trajectories[r].done]
         if not live:
             break
         # 5. The next turn from each live row's whole context.
-        remaining = [settings.max_new_tokens - len(trajectories[r].response_ids) for r in live]
+        remaining = [rollout.max_new_tokens - len(trajectories[r].response_ids) for r in live]
         inputs = [_context(contexts[r], trajectories[r]) for r in live]
         out = engine.generate(
             inputs,
             n=1,
             max_new_tokens=max(remaining),
-            temperature=settings.temperature,
-            top_p=settings.top_p,
+            temperature=temperature,
+            top_p=rollout.top_p,
             seed=(seed + number * _TURN_SEED_STRIDE) % (2**31 - 1),
         )
         segments = [
@@ -434,7 +428,7 @@ def _run_tools(
     tools: ToolRunner,
     tokenizer: Tokenizer,
     schemas: list[dict[str, Any]] | None,
-    settings: AgentSettings,
+    rollout: RolloutConfig,
 ) -> None:
     """Run every live row's calls in one batch; append each row's tool turn."""
     asked = [c for row in calls for c in row if isinstance(c, ToolCall)]
@@ -447,14 +441,14 @@ def _run_tools(
         t.tool_errors += sum(result.error for result in results)
         messages = []
         for call, result in zip(row, results):
-            content = _cut(tokenizer, result.content, settings.max_tool_response_tokens)
+            content = _cut(tokenizer, result.content, rollout.max_tool_response_tokens)
             t.truncated_tool_responses += content != result.content
             name = call.name if isinstance(call, ToolCall) else "invalid"
             messages.append({"role": "tool", "name": name, "content": content})
         eos_text = t.messages[-1].pop("eos_text", None)
         ids = tool_turn_ids(tokenizer, t.messages, messages, tools=schemas, eos_text=eos_text)
         t.messages += messages
-        left = settings.max_new_tokens - len(t.response_ids)
+        left = rollout.max_new_tokens - len(t.response_ids)
         t.extend(ids[:left], None)
         t.done = len(ids) >= left
 

@@ -20,7 +20,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.agent_loop import AgentSettings, run_agent_loop
+from infra.agent_loop import run_agent_loop
 from infra.data import PromptRow, chat_prompt_ids
 from infra.tools import ToolPool, tool_schemas
 from infra.workers import ModelWorker
@@ -173,14 +173,6 @@ def agent_rows(
     """``generate_rows`` for multi-turn rollouts: the agent loop, one row per trajectory."""
     cfg = worker.cfg.rollout
     data = worker.read(prompts, ("prompt_ids", "raw_prompt"))
-    settings = AgentSettings(
-        max_turns=cfg.max_turns,
-        max_new_tokens=cfg.max_new_tokens,
-        max_tool_response_tokens=cfg.max_tool_response_tokens,
-        temperature=cfg.temperature if temperature is None else temperature,
-        top_p=cfg.top_p,
-        min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
-    )
     with worker.awake("rollout") as engine:
         out = run_agent_loop(
             engine,
@@ -189,7 +181,9 @@ def agent_rows(
             raw_prompts=list(data["raw_prompt"]),
             n=n,
             seed=seed,
-            settings=settings,
+            rollout=cfg,
+            temperature=cfg.temperature if temperature is None else temperature,
+            min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
             tools=tool_pool(worker),
             tool_schemas=tool_schemas(cfg.tools),
             eos_token_ids=worker.eos_ids,

@@ -21,7 +21,6 @@ from agent_assets import (  # noqa: E402
 )
 
 from infra.agent_loop import (  # noqa: E402
-    AgentSettings,
     check_tool_template,
     final_answer,
     parse_declared_calls,
@@ -29,6 +28,7 @@ from infra.agent_loop import (  # noqa: E402
     run_agent_loop,
     tool_turn_ids,
 )
+from infra.config import RolloutConfig  # noqa: E402
 from infra.data import chat_prompt_ids  # noqa: E402
 from infra.engines.base import GenerationOutput  # noqa: E402
 from infra.tools import ToolCall, ToolPool, ToolResult, tool_schemas  # noqa: E402
@@ -108,9 +108,11 @@ def _loop(tokenizer, pool, tools_file, script, *, max_turns=3, budget=400, cut=2
         raw_prompts=[prompt],
         n=2,
         seed=0,
-        settings=AgentSettings(
+        rollout=RolloutConfig(
             max_turns=max_turns, max_new_tokens=budget, max_tool_response_tokens=cut
         ),
+        temperature=1.0,
+        min_new_tokens=0,
         tools=pool,
         tool_schemas=schemas,
         eos_token_ids=[tokenizer.eos_token_id],

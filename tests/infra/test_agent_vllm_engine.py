@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent_assets import CALL, save_agent_policy, warm_start_caller, write_tools  # noqa: E402
 
-from infra.agent_loop import AgentSettings, Trajectory, run_agent_loop  # noqa: E402
+from infra.agent_loop import Trajectory, run_agent_loop  # noqa: E402
+from infra.config import RolloutConfig  # noqa: E402
 from infra.engines import make_engine  # noqa: E402
 from infra.engines.base import GenerationEngine  # noqa: E402
 from infra.rl_data import chat_prompt_ids  # noqa: E402
@@ -43,9 +44,9 @@ def _roll(engine: GenerationEngine, tokenizer, tools_file: Path) -> list[Traject
             raw_prompts=chats,
             n=1,
             seed=0,
-            settings=AgentSettings(
-                max_turns=3, max_new_tokens=96, max_tool_response_tokens=32, temperature=0.0
-            ),
+            rollout=RolloutConfig(max_turns=3, max_new_tokens=96, max_tool_response_tokens=32),
+            temperature=0.0,
+            min_new_tokens=0,
             tools=pool,
             tool_schemas=schemas,
             eos_token_ids=[tokenizer.eos_token_id],

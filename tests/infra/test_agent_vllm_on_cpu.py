@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent_assets import build_hermes_tokenizer, write_tools  # noqa: E402
 from test_agent_loop import CALL, _Spec, char_ids  # noqa: E402
 
-from infra.agent_loop import AgentSettings, run_agent_loop  # noqa: E402
+from infra.agent_loop import run_agent_loop  # noqa: E402
+from infra.config import RolloutConfig  # noqa: E402
 from infra.data import chat_prompt_ids  # noqa: E402
 from infra.engines.vllm_engine import VLLMEngine  # noqa: E402
 from infra.tools import ToolPool, tool_schemas  # noqa: E402
@@ -73,7 +74,9 @@ def test_the_loop_runs_through_the_vllm_engines_generate(fake_vllm, tmp_path: Pa
             raw_prompts=[prompt],
             n=2,
             seed=0,
-            settings=AgentSettings(max_turns=2, max_new_tokens=300, max_tool_response_tokens=32),
+            rollout=RolloutConfig(max_turns=2, max_new_tokens=300, max_tool_response_tokens=32),
+            temperature=1.0,
+            min_new_tokens=0,
             tools=pool,
             tool_schemas=schemas,
             eos_token_ids=[tokenizer.eos_token_id],
