@@ -97,12 +97,8 @@ class ActorUpdateSettings:
     max_tokens_per_micro_batch: when set, each mini-batch's rows are instead sorted by length
         and packed into micro-batches of ≤ this many padded tokens (rows × longest row; see
         `tasks.batching.token_micro_batches`), and micro_batch_size is not used for the split;
-    policy_loss: the policy loss, a `tasks.update.core.POLICY_LOSSES` name, with its settings:
-        clip_low / clip_high: ``ppo``'s ratio clipped to [1 − clip_low, 1 + clip_high];
-        dual_clip: ``ppo``'s cap for negative advantages (> 1, None = off);
-        gspo_clip_low / gspo_clip_high: ``gspo``'s clip of the sequence ratio;
-        cispo_clip_low (None = no bound) / cispo_clip_high: ``cispo``'s clip of the weight;
-        sapo_tau_pos / sapo_tau_neg: ``sapo``'s gate temperatures;
+    policy: the policy loss (``actor.policy_loss``) and every loss's settings
+        (`tasks.update.core.PolicyLossSettings`, built once from ``actor.*``);
     agg: loss aggregation mode;
     entropy_coef: entropy bonus weight; kl_loss_coef / kl_loss_kind: KL-to-reference loss;
     distill_loss_coef: on-policy distillation's loss term (``algorithm.distill.mode: kl_loss``):
@@ -122,16 +118,7 @@ class ActorUpdateSettings:
     mini_batch_size: int
     micro_batch_size: int
     max_tokens_per_micro_batch: int | None
-    policy_loss: str
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
-    gspo_clip_low: float
-    gspo_clip_high: float
-    cispo_clip_low: float | None
-    cispo_clip_high: float
-    sapo_tau_pos: float
-    sapo_tau_neg: float
+    policy: PolicyLossSettings
     agg: str
     entropy_coef: float
     kl_loss_coef: float
@@ -164,25 +151,8 @@ class ActorUpdateSettings:
             raise ValueError(
                 f"kl_loss_kind {self.kl_loss_kind!r} is not one of {sorted(KL_PENALTIES)}"
             )
-        _ = self.policy_loss_settings  # building them checks the policy loss and its settings
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
-
-    @property
-    def policy_loss_settings(self) -> PolicyLossSettings:
-        """The policy loss and its settings, as `tasks.update.core.actor_loss` takes them."""
-        return PolicyLossSettings(
-            policy_loss=self.policy_loss,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip=self.dual_clip,
-            gspo_clip_low=self.gspo_clip_low,
-            gspo_clip_high=self.gspo_clip_high,
-            cispo_clip_low=self.cispo_clip_low,
-            cispo_clip_high=self.cispo_clip_high,
-            sapo_tau_pos=self.sapo_tau_pos,
-            sapo_tau_neg=self.sapo_tau_neg,
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -382,7 +352,7 @@ def _actor_micro_step(
         is_weights=is_weights,
         entropy=entropy,
         ref_logprobs=mb_tensors.get("ref_logprobs"),
-        policy=cfg.policy_loss_settings,
+        policy=cfg.policy,
         agg=cfg.agg,
         entropy_coef=cfg.entropy_coef,
         kl_loss_coef=cfg.kl_loss_coef,

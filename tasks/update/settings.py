@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from infra.config import OptimConfig, TrainConfig
 from tasks.plan import StepPlan
+from tasks.update.core import PolicyLossSettings
 from tasks.update.optimize import ActorUpdateSettings, CriticUpdateSettings
 
 
@@ -34,16 +35,18 @@ def actor_settings(
     correction = algo.rollout_correction
     return ActorUpdateSettings(
         **_per_worker(opt, world),
-        policy_loss=opt.policy_loss,
-        clip_low=opt.clip_low,
-        clip_high=opt.clip_high,
-        dual_clip=opt.dual_clip,
-        gspo_clip_low=opt.gspo_clip_low,
-        gspo_clip_high=opt.gspo_clip_high,
-        cispo_clip_low=opt.cispo_clip_low,
-        cispo_clip_high=opt.cispo_clip_high,
-        sapo_tau_pos=opt.sapo_tau_pos,
-        sapo_tau_neg=opt.sapo_tau_neg,
+        policy=PolicyLossSettings(
+            policy_loss=opt.policy_loss,
+            clip_low=opt.clip_low,
+            clip_high=opt.clip_high,
+            dual_clip=opt.dual_clip,
+            gspo_clip_low=opt.gspo_clip_low,
+            gspo_clip_high=opt.gspo_clip_high,
+            cispo_clip_low=opt.cispo_clip_low,
+            cispo_clip_high=opt.cispo_clip_high,
+            sapo_tau_pos=opt.sapo_tau_pos,
+            sapo_tau_neg=opt.sapo_tau_neg,
+        ),
         agg=opt.loss_agg,
         entropy_coef=algo.entropy_coef,
         kl_loss_coef=algo.kl.loss_coef,

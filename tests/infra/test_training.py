@@ -28,6 +28,7 @@ import torch, torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from infra.training import full_state_dict, load_sharded, prepare_trainable, save_sharded
 from tasks.batching import pack_batch
+from tasks.update.core import PolicyLossSettings
 from tasks.update.optimize import ActorUpdateSettings, actor_update
 
 job = json.loads(sys.argv[1])
@@ -61,16 +62,18 @@ for run in job["runs"]:
         mini_batch_size=B // world,
         micro_batch_size=max(B // world // 2, 1),
         max_tokens_per_micro_batch=None,
-        policy_loss="ppo",
-        clip_low=0.2,
-        clip_high=0.2,
-        dual_clip=3.0,
-        gspo_clip_low=3e-4,
-        gspo_clip_high=4e-4,
-        cispo_clip_low=None,
-        cispo_clip_high=0.2,
-        sapo_tau_pos=1.0,
-        sapo_tau_neg=1.05,
+        policy=PolicyLossSettings(
+            policy_loss="ppo",
+            clip_low=0.2,
+            clip_high=0.2,
+            dual_clip=3.0,
+            gspo_clip_low=3e-4,
+            gspo_clip_high=4e-4,
+            cispo_clip_low=None,
+            cispo_clip_high=0.2,
+            sapo_tau_pos=1.0,
+            sapo_tau_neg=1.05,
+        ),
         agg="token-mean",
         entropy_coef=0.0,
         kl_loss_coef=0.0,

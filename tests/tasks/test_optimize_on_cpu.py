@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from tasks.update import (
     AGGREGATIONS,
     ActorUpdateSettings,
     CriticUpdateSettings,
+    PolicyLossSettings,
     actor_update,
     count_minibatch_units,
     critic_update,
@@ -103,13 +105,10 @@ def assert_same_parameters(a: nn.Module, b: nn.Module, atol: float) -> None:
         torch.testing.assert_close(pa, pb, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def actor_settings(agg: str, micro: int, mini: int = 8, **extra: object) -> ActorUpdateSettings:
-    """Every setting exercised: two epochs, an asymmetric clip, entropy and KL terms."""
-    base: dict[str, object] = {
-        "ppo_epochs": 2,
-        "mini_batch_size": mini,
-        "micro_batch_size": micro,
-        "max_tokens_per_micro_batch": None,
+def actor_settings(agg: str, micro: int, mini: int = 8, **extra: Any) -> ActorUpdateSettings:
+    """Every setting exercised: two epochs, an asymmetric clip, entropy and KL terms. ``extra``
+    replaces any of them, a policy loss's (``policy_loss``, ``clip_low``, ...) included."""
+    policy: dict[str, Any] = {
         "policy_loss": "ppo",
         "clip_low": 0.2,
         "clip_high": 0.28,
@@ -120,6 +119,12 @@ def actor_settings(agg: str, micro: int, mini: int = 8, **extra: object) -> Acto
         "cispo_clip_high": 0.2,
         "sapo_tau_pos": 1.0,
         "sapo_tau_neg": 1.05,
+    }
+    base: dict[str, Any] = {
+        "ppo_epochs": 2,
+        "mini_batch_size": mini,
+        "micro_batch_size": micro,
+        "max_tokens_per_micro_batch": None,
         "agg": agg,
         "entropy_coef": 0.01,
         "kl_loss_coef": 0.1,
@@ -134,8 +139,9 @@ def actor_settings(agg: str, micro: int, mini: int = 8, **extra: object) -> Acto
         "correction_high": 2.0,
         "old_is_rollout": False,
     }
-    base.update(extra)
-    return ActorUpdateSettings(**base)  # type: ignore[arg-type]
+    for key, value in extra.items():
+        (policy if key in policy else base)[key] = value
+    return ActorUpdateSettings(policy=PolicyLossSettings(**policy), **base)
 
 
 def critic_settings(**extra: object) -> CriticUpdateSettings:
