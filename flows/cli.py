@@ -149,10 +149,11 @@ def _api_lost(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is the Prefect API not answering."""
     import httpx
 
-    while exc is not None:
-        if isinstance(exc, httpx.TransportError):
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, httpx.TransportError):
             return True
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        cause = cause.__cause__ or cause.__context__
     return False
 
 

@@ -22,10 +22,13 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "STRATEGIES",
@@ -158,7 +161,7 @@ def prepare_frozen(model: nn.Module, *, strategy: str, device: torch.device) -> 
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
+def is_sharded(model: nn.Module) -> TypeGuard[FSDPModule]:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
@@ -168,14 +171,14 @@ def is_sharded(model: nn.Module) -> bool:
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Inside: an FSDP2 module reduces gradients in backward only when ``enabled`` (the last
     micro-batch of an optimizer step); the others accumulate locally. No-op for plain modules."""
-    if not is_sharded(model) or enabled:
+    if enabled or not is_sharded(model):
         yield
         return
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    model.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        model.set_requires_gradient_sync(True)
 
 
 def gather_full(value: Tensor) -> Tensor:

@@ -256,7 +256,8 @@ def _njt(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """A `torch.jagged` nested tensor over `values` (no copy)."""
     if _NestedTensor is not None:
         try:
-            return _NestedTensor(values, offsets)  # type: ignore[no-any-return]
+            nested: torch.Tensor = _NestedTensor(values, offsets)
+            return nested
         except (TypeError, RuntimeError):  # a torch whose private constructor changed
             pass
     return torch.nested.nested_tensor_from_jagged(values, offsets)
@@ -297,5 +298,6 @@ def to_tensordict(columns: Mapping[str, Column], n_rows: int) -> TensorDict:
     ragged: list[tuple[Any, torch.Tensor]] = []
     entries = {name: to_torch(col, ragged) for name, col in columns.items()}
     if _new_unsafe is not None:
-        return _new_unsafe(entries, batch_size=torch.Size([n_rows]))  # type: ignore[no-any-return]
+        built: TensorDict = _new_unsafe(entries, batch_size=torch.Size([n_rows]))
+        return built
     return TensorDict(entries, batch_size=[n_rows])

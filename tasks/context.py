@@ -95,7 +95,8 @@ def faults_at(
                 from prefect.runtime import task_run
 
                 attempt = max(int(task_run.run_count or 1), 1)
-                at = int(kwargs.get("round", 0))  # type: ignore[call-overload]
+                at = kwargs.get("round", 0)  # a stage that takes rounds: its keyword int
+                assert isinstance(at, int), f"{stage}: round={at!r} is not an int"
                 ctx.faults.strike_due(
                     stage, step, attempt, round=at, store=ctx.rt.store, group=group(ctx)
                 )
