@@ -22,22 +22,22 @@ class Judge:
     """The judge model on one worker: its own tokenizer (from ``model_path``), the rendered
     template and a generation engine of kind ``engine`` (``infra.engines.make_engine``, with
     ``engine_options``); ``Sleepable`` like the rollout engine. Verdicts are generated in
-    batches of ``batch_size`` prompts."""
+    batches of ``batch_size`` prompts. Every setting is the run's, as ``ModelWorker`` resolves
+    it (``reward.judge.*``, ``reward.batch_size``): none has a default here."""
 
     def __init__(
         self,
         model_path: str | Path,
         *,
         template: str,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        batch_size: int = 64,
-        engine: Literal["hf", "vllm"] = "hf",
-        engine_options: dict[str, Any] | None = None,
+        device: str | torch.device,
+        dtype: torch.dtype,
+        max_new_tokens: int,
+        temperature: float,
+        batch_size: int,
+        engine: Literal["hf", "vllm"],
+        engine_options: dict[str, Any],
     ) -> None:
-        import torch
         from transformers import AutoTokenizer
 
         from infra.engines import make_engine, pad_token_id, stop_token_ids
@@ -51,10 +51,10 @@ class Judge:
             engine,
             model_path,
             device=str(device),
-            dtype=dtype or torch.float32,
+            dtype=dtype,
             eos_token_id=stop_token_ids(self.tokenizer, str(model_path)),
             pad_token_id=pad_token_id(self.tokenizer),
-            **(engine_options or {}),
+            **engine_options,
         )
 
     @property
