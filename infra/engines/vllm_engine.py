@@ -24,6 +24,10 @@ without it. The engine is a ``vllm.LLM`` built through vLLM's public options onl
   environment sets it, and the ``uni`` executor): no spawned process, no ``__main__`` guard
   needed, and ``collective_rpc`` is a plain call. vLLM's CPU worker replaces
   ``torch.set_num_threads`` with a no-op while it binds threads; the engine puts it back.
+  Chunked prefill is off on the CPU: after a prompt's partial prefill vLLM rewinds that
+  request's seeded generator, which only CUDA generators can do (a CPU one raises ``CPU
+  Generator does not use offset``), so each prompt is prefilled whole; a batch whose prompts
+  exceed ``max_num_batched_tokens`` takes several scheduler steps.
 * ``gpu_memory_utilization``, ``tensor_parallel_size`` and ``max_model_len`` are keywords (the
   config's ``rollout.*`` keys of the same names). With ``tensor_parallel_size > 1`` vLLM runs its
   ranks as local processes (``distributed_executor_backend="mp"``) on the devices this process
@@ -50,11 +54,23 @@ from torch import Tensor
 from infra.engines.base import EngineAsleepError, GenerationOutput, check_generate_args
 from infra.engines.vllm_extension import LOAD_METHOD, WORKER_EXTENSION, write_weights
 
-__all__ = ["MISSING", "VLLMEngine", "VLLMUnavailableError", "is_vllm_available", "llm_options"]
+__all__ = [
+    "MISSING",
+    "VLLMEngine",
+    "VLLMEngineFailedError",
+    "VLLMUnavailableError",
+    "is_vllm_available",
+    "llm_options",
+]
 
 
 class VLLMUnavailableError(ImportError):
     """vLLM was asked for but is not installed."""
+
+
+class VLLMEngineFailedError(RuntimeError):
+    """The engine failed inside an earlier call and serves nothing more: vLLM's engine core may
+    hold that call's half-run requests, and a later call would wait on them for ever."""
 
 
 def is_vllm_available() -> bool:
@@ -132,6 +148,7 @@ def llm_options(
     else:
         options["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * 2**30)
         options["distributed_executor_backend"] = "uni"
+        options["enable_chunked_prefill"] = False  # seeded sampling (the module docstring)
     if max_model_len is not None:
         options["max_model_len"] = max_model_len
     if tensor_parallel_size > 1:
@@ -209,6 +226,7 @@ class VLLMEngine:
         else:
             self._stop_token_ids = [int(e) for e in eos_token_id]
         self._awake = True
+        self._failed: str | None = None  # what failed inside vLLM, once something has
         self._pending: list[Path | None] = [None]  # a list, so the finalizer sees updates
         weakref.finalize(self, lambda pending: _remove(pending[0]), self._pending)
 
@@ -280,8 +298,12 @@ class VLLMEngine:
 
         tokens = [int(t) for t in ids.tolist()]
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
-        (result,) = self._llm.generate(
-            [TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False
+        (result,) = self._call(
+            "probe_logprobs",
+            self._llm.generate,
+            [TokensPrompt(prompt_token_ids=tokens)],
+            params,
+            use_tqdm=False,
         )
         scored = result.prompt_logprobs[1:]  # the first token has no context
         return torch.tensor(
@@ -289,8 +311,30 @@ class VLLMEngine:
             dtype=torch.float32,
         )  # (L-1,)
 
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on vLLM. A request vLLM refuses (its client errors) leaves
+        the engine as it was; any other failure marks it failed, and every later call raises
+        ``VLLMEngineFailedError`` at once, naming that failure, instead of waiting."""
+        if self._failed is not None:
+            raise VLLMEngineFailedError(
+                f"the vLLM engine failed in an earlier call ({self._failed}) and serves no more; "
+                "the worker that holds it must be started anew"
+            )
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            return fn(*args, **kwargs)
+        except VLLMClientError:
+            raise
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            self._failed = f"{what}: {type(exc).__name__}: {first}"
+            raise
+
     def _load_file(self, path: Path) -> None:
-        counts = self._llm.collective_rpc(LOAD_METHOD, args=(str(path),))
+        counts = self._call(
+            "load_weights", self._llm.collective_rpc, LOAD_METHOD, args=(str(path),)
+        )
         if not counts or any(count == 0 for count in counts):
             raise RuntimeError(f"vLLM weight sync loaded no tensors from {path} (got {counts})")
 
@@ -331,7 +375,7 @@ class VLLMEngine:
             for index in range(len(prompt_ids))
         ]
         prompts = [TokensPrompt(prompt_token_ids=ids.tolist()) for ids in prompt_ids]
-        results = self._llm.generate(prompts, params, use_tqdm=False)
+        results = self._call("generate", self._llm.generate, prompts, params, use_tqdm=False)
         response_ids: list[Tensor] = []
         rollout_logprobs: list[Tensor] = []
         for result in results:  # vLLM returns requests in input order

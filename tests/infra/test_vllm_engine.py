@@ -110,6 +110,66 @@ def test_sampled_logprobs_match_a_forward_of_the_same_weights(engine, prompts, a
         assert torch.allclose(logprobs, expected, atol=LOGPROB_TOL), row
 
 
+def test_a_batch_over_one_scheduler_step_samples_with_each_prompts_seed(engine, prompts) -> None:
+    """More prompt tokens than one scheduler step takes: each seeded prompt is prefilled whole
+    (on the CPU a split prefill would rewind its generator, which a CPU generator cannot)."""
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    count = budget // 40 + 8  # 40-token prompts: more tokens than one step's budget
+    long = [prompts[i % len(prompts)].repeat(40)[i % 7 : i % 7 + 40] for i in range(count)]
+    first = engine.generate(long, n=1, max_new_tokens=8, seed=3)
+    again = engine.generate(long, n=1, max_new_tokens=8, seed=3)
+    assert len(first.response_ids) == count and all(r.numel() > 0 for r in first.response_ids)
+    assert [r.tolist() for r in first.response_ids] == [r.tolist() for r in again.response_ids]
+
+
+FAILED_ENGINE = """
+import sys, torch
+from infra.engines import make_engine
+from infra.engines.vllm_engine import VLLMEngineFailedError
+
+broken = make_engine(
+    "vllm", sys.argv[1], device="cpu", dtype=torch.float32, cpu_kv_cache_gib=0.25,
+    max_model_len=64, enforce_eager=True, enable_chunked_prefill=True,
+)
+budget = broken.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+prompt = torch.tensor([int(t) for t in sys.argv[2].split(",")])
+long = [prompt.repeat(40)[:40] for _ in range(budget // 40 + 8)]
+try:
+    broken.generate(long, n=1, max_new_tokens=8, seed=3)
+except RuntimeError as exc:
+    print("first:", exc)
+try:
+    broken.generate([prompt], n=1, max_new_tokens=4, seed=0)
+except VLLMEngineFailedError as exc:
+    print("then:", exc)
+"""
+
+
+def test_an_engine_that_failed_inside_vllm_refuses_every_later_call_at_once(
+    require_vllm: None, assets: AssetPaths, prompts
+) -> None:
+    """The failure chunked prefill gives on the CPU, made on purpose (the option turned back
+    on; in a process of its own: vLLM keeps one engine a process): the failed call raises
+    vLLM's error, and the next call raises ``VLLMEngineFailedError`` naming it at once instead
+    of waiting on the half-run requests."""
+    if torch.cuda.is_available():
+        pytest.skip("the failure is the CPU generator's")
+    ids = ",".join(str(int(t)) for t in prompts[1].tolist())
+    done = subprocess.run(
+        [sys.executable, "-c", FAILED_ENGINE, str(assets.policy), ids],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("first:", "then:"))]
+    assert lines[0] == "first: CPU Generator does not use offset", done.stdout[-2000:]
+    assert lines[1].startswith(
+        "then: the vLLM engine failed in an earlier call (generate: RuntimeError: CPU Generator"
+    ), lines
+
+
 def test_same_seed_same_samples_and_sleep_refuses_until_wake(engine, prompts) -> None:
     first = engine.generate(prompts, n=2, max_new_tokens=10, seed=11)
     engine.sleep()

@@ -156,6 +156,7 @@ def test_llm_options_on_the_cpu_size_the_kv_cache_in_gib_and_run_in_process() ->
     options = llm_options("/models/p", device="cpu", dtype=torch.float32, cpu_kv_cache_gib=0.5)
     assert options["kv_cache_memory_bytes"] == 2**29
     assert options["distributed_executor_backend"] == "uni"
+    assert options["enable_chunked_prefill"] is False  # seeded requests are prefilled whole
     assert "enable_sleep_mode" not in options  # vLLM's CPU backend has no sleep mode
     assert "gpu_memory_utilization" not in options  # a share of host RAM there: not used
     with pytest.raises(ValueError, match="rollout.tensor_parallel_size=1"):
