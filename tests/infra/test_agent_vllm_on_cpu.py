@@ -53,8 +53,11 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda **kw: kw  # type: ignore[attr-defined]
+    exceptions = types.ModuleType("vllm.exceptions")
+    exceptions.VLLMClientError = type("VLLMClientError", (Exception,), {})  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setitem(sys.modules, "vllm.exceptions", exceptions)
 
 
 def test_the_loop_runs_through_the_vllm_engines_generate(fake_vllm, tmp_path: Path) -> None:
@@ -66,6 +69,7 @@ def test_the_loop_runs_through_the_vllm_engines_generate(fake_vllm, tmp_path: Pa
     engine = object.__new__(VLLMEngine)
     llm = _LLM(tokenizer, [CALL, "50"])
     engine._llm, engine._awake, engine._stop_token_ids = llm, True, [tokenizer.eos_token_id]
+    engine._failed = None
     with ToolPool(tools, workers=1, timeout_s=5.0) as pool:
         out = run_agent_loop(
             engine,
