@@ -55,7 +55,9 @@ class Evaluator:
             )
             self.job = Validation(rows=heldout, n=1, temperature=0.0, scoring=rule)
         self.rule_only = not val_rows
-        self.artifact = run_artifact(ctx.cfg, "eval", "evaluation, parts done (generated, scored)")
+        self.artifact = run_artifact(
+            ctx.cfg, "eval", "evaluation, parts done (generated, scored)", recurring=True
+        )
 
     @property
     def enabled(self) -> bool:

@@ -12,8 +12,9 @@ total)`` (``infra.progress``).
    on stderr is printed above the run's bar.
 2. In a Prefect flow or task run: a progress artifact ``<run name>-<key>`` (0 to 100), created
    at the first report, then updated in place at most every ``trainer.artifact_interval_s`` and
-   at each phase's end. A phase that comes back (an evaluation, a step's sampling) keeps one
-   artifact for the run. An API that does not answer costs one warning; the run goes on
+   at the phase's end. A phase that comes back (an evaluation, a step's sampling) keeps one
+   artifact for the run, updated at most every interval, its ends included (they come every
+   step or every few). An API that does not answer costs one warning; the run goes on
    without that artifact.
 """
 
@@ -37,15 +38,19 @@ log = logging.getLogger(__name__)
 class ProgressArtifact:
     """The Prefect progress artifact ``key`` (see the module docstring, 2.)."""
 
-    def __init__(self, key: str, *, description: str, interval_s: float) -> None:
+    def __init__(
+        self, key: str, *, description: str, interval_s: float, recurring: bool = False
+    ) -> None:
         self.key, self.description, self.interval_s = key, description, interval_s
+        self.recurring = recurring
         self.id: UUID | None = None
         self.failed = False
         self.published = -math.inf
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
-        if done >= total or now - self.published >= self.interval_s:
+        final = done >= total and not self.recurring
+        if final or now - self.published >= self.interval_s:
             self.published = now
             self._publish(100.0 * done / total if total else 100.0)
 
@@ -110,14 +115,18 @@ class PhaseProgress:
         return self.lines.heartbeat() if self.lines is not None else nullcontext()
 
 
-def run_artifact(cfg: TrainConfig, key: str, what: str) -> ProgressArtifact:
-    """The run's progress artifact ``<cfg.name>-<key>``, described as ``what``."""
+def run_artifact(
+    cfg: TrainConfig, key: str, what: str, *, recurring: bool = False
+) -> ProgressArtifact:
+    """The run's progress artifact ``<cfg.name>-<key>``, described as ``what``; ``recurring``
+    for a phase that comes back (see the module docstring, 2.)."""
     from flows.report import artifact_key
 
     return ProgressArtifact(
         artifact_key(cfg.name, key),
         description=f"ppoflow: {what}",
         interval_s=cfg.trainer.artifact_interval_s,
+        recurring=recurring,
     )
 
 

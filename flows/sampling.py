@@ -71,7 +71,9 @@ class Sampler:
 
     def __init__(self, ctx: StageContext, retry: RetryOptions, draw: Draw) -> None:
         self.ctx, self.retry, self.draw = ctx, retry, draw
-        self.artifact = run_artifact(ctx.cfg, "refill", "dynamic sampling, groups kept")
+        self.artifact = run_artifact(
+            ctx.cfg, "refill", "dynamic sampling, groups kept", recurring=True
+        )
 
     def __call__(self, metas: list[BatchMeta], step: int, timed: Timings) -> StageResult:
         """Generate ``metas`` (the step's partition first; colocate_async: later steps' too),

@@ -25,6 +25,7 @@ Pure of Prefect, Ray and the store: it imports torch and the engine contract onl
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -108,11 +109,19 @@ class Trajectory:
 class ToolCallFormat:
     """How the policy writes tool calls. ``declared``: its tokenizer's ``response_template``
     has a ``tool_calls`` field, and transformers' ``parse_response`` reads the calls;
-    ``hermes``: ``<tool_call>{json}</tool_call>``, read by ``parse_tool_calls``. ``closes``: the
-    texts that end one call (a turn is cut after the first; none: it runs to its EOS)."""
+    ``hermes``: ``<tool_call>{json}</tool_call>``, read by ``parse_tool_calls``. ``closes`` and
+    ``close_pattern`` (a regex): what ends one call (a turn is cut after the first; neither: it
+    runs to its EOS)."""
 
     declared: bool
     closes: tuple[str, ...]
+    close_pattern: str | None = None
+
+    def closed(self, text: str) -> bool:
+        """``text`` holds the end of a call."""
+        if any(close in text for close in self.closes):
+            return True
+        return self.close_pattern is not None and re.search(self.close_pattern, text) is not None
 
 
 HERMES = ToolCallFormat(declared=False, closes=(TOOL_CALL_END,))
@@ -120,7 +129,8 @@ HERMES = ToolCallFormat(declared=False, closes=(TOOL_CALL_END,))
 
 def tool_call_format(tokenizer: Tokenizer) -> ToolCallFormat:
     """The tokenizer's declared format when its ``response_template`` has a ``tool_calls``
-    field (the closing texts from that field's literal ``close``), else Hermes."""
+    field (what ends a call from that field's ``close`` texts or ``close_pattern``), else
+    Hermes."""
     template = getattr(tokenizer, "response_template", None)
     fields = template.get("fields") if isinstance(template, dict) else None
     field = fields.get("tool_calls") if isinstance(fields, dict) else None
@@ -128,7 +138,12 @@ def tool_call_format(tokenizer: Tokenizer) -> ToolCallFormat:
         return HERMES
     close = field.get("close")
     closes = [close] if isinstance(close, str) else close if isinstance(close, list) else []
-    return ToolCallFormat(declared=True, closes=tuple(str(c) for c in closes if c))
+    pattern = field.get("close_pattern")
+    return ToolCallFormat(
+        declared=True,
+        closes=tuple(str(c) for c in closes if c),
+        close_pattern=pattern if isinstance(pattern, str) and pattern else None,
+    )
 
 
 _CALL_SHAPE = 'error: a tool call is {"name": <tool>, "arguments": {<name>: <value>}}'
@@ -164,18 +179,26 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolResult]:
 
 
 def parse_declared_calls(
-    tokenizer: Tokenizer, text: str, *, prefix: str, tools: list[dict[str, Any]] | None
+    tokenizer: Tokenizer,
+    text: str,
+    *,
+    prefix: str,
+    tools: list[dict[str, Any]] | None,
+    form: ToolCallFormat | None = None,
 ) -> list[ToolCall | ToolResult]:
     """The tool calls in ``text`` as the tokenizer's ``response_template`` reads them
-    (``prefix``: the conversation before the turn, which a template may have opened). A
-    response the template cannot parse is one error ``ToolResult``; each call is
-    ``{"name", "arguments"}``, or an OpenAI-style ``{"type": "function", "function": {…}}``."""
+    (``prefix``: the conversation before the turn, which a template may have opened); each call
+    is ``{"name", "arguments"}``, or an OpenAI-style ``{"type": "function", "function": {…}}``.
+    A response the template cannot parse is one error ``ToolResult`` when it holds the end of a
+    call (``form``, the tokenizer's format by default), else an answer without calls."""
     schemas: list[dict[Any, Any] | Callable[..., Any]] | None = (
         list(tools) if tools is not None else None
     )
     try:
         message = tokenizer.parse_response(text, prefix=prefix, tools=schemas)
     except Exception as exc:  # noqa: BLE001 - the parser's own error, whatever its type
+        if not (form or tool_call_format(tokenizer)).closed(text):
+            return []
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return [ToolResult(f"error: the tool call does not parse ({first})", True)]
     calls = message.get("tool_calls") if isinstance(message, dict) else None
@@ -202,15 +225,16 @@ def tool_turn_ids(
     """The ids the chat template adds after the last assistant turn's sampled text when
     ``tool_messages`` follow it, up to and including the next assistant generation prompt.
 
-    1. The conversation is rendered with the tool messages and the generation prompt.
-    2. The tool messages are found from the end of that text, the last one first (only the
-       generation prompt follows them).
-    3. Before the first of them, the end of the assistant's text: the whole sampled text, or,
-       when the template re-renders earlier turns' reasoning (Qwen3 style: a turn that is no
-       longer the last loses an empty ``<think>`` block), the part after its ``</think>``.
-    4. The new text runs from there to the end, less the EOS text the policy sampled
-       (``eos_text``). The template's special tokens delimit it, so its ids are those of the
-       whole rendering's tail.
+    1. The conversation is rendered with the tool messages and the generation prompt, and
+       without its last (assistant) turn: what the two share comes before that turn.
+    2. After the shared part, the end of the assistant's text: the whole sampled text, or,
+       when the template re-renders a turn other messages follow (Qwen3 style: an empty
+       ``<think>`` block is dropped), the part after its ``</think>``; of the two, the one
+       that ends first.
+    3. The new text runs from there to the end, less the EOS text the policy sampled
+       (``eos_text``); it must hold every tool message (as written, stripped, or as a JSON
+       string, as ``tojson`` renders it). The template's special tokens delimit it, so its
+       ids are those of the whole rendering's tail.
 
     Raises ``AgentTemplateError`` when the template drops a tool message or the assistant's
     text.
@@ -218,34 +242,53 @@ def tool_turn_ids(
     after = _render(
         tokenizer, conversation + tool_messages, tools=tools, add_generation_prompt=True
     )
-    end = len(after)
-    for message in reversed(tool_messages):
-        end = after.rfind(str(message["content"]), 0, end)
-        if end < 0:
-            break
+    # 1. What comes before the assistant's turn.
+    try:
+        before = _render(tokenizer, conversation[:-1], tools=tools)
+    except Exception:  # noqa: BLE001 - a template that refuses to end on that message
+        before = ""
+    shared = len(os.path.commonprefix([before, after]))
+    # 2. The end of the assistant's text, as the template renders it.
     content = str(conversation[-1].get("content") or "")
-    anchors = [content, content.rsplit(REASONING_END, 1)[-1].lstrip()]
-    found = [(after.rfind(a, 0, end), a) for a in anchors if a] if end >= 0 else []
-    start, anchor = next(((p, a) for p, a in found if p >= 0), (-1, ""))
-    if start < 0:
+    ends = [
+        at + len(anchor)
+        for anchor in {content, content.rsplit(REASONING_END, 1)[-1].lstrip()}
+        if anchor and (at := after.find(anchor, shared)) >= 0
+    ]
+    tail = after[min(ends) :] if ends else ""
+    # 3. The tool turn, less the EOS the policy sampled.
+    if not ends or not all(_rendered(str(m["content"]), tail) for m in tool_messages):
         raise AgentTemplateError(
             "the chat template does not render a tool turn after the assistant's text "
             "verbatim; use a template with a `tool` role (Hermes/ChatML or Qwen3 style) for "
             "rollout.tools"
         )
-    tail = after[start + len(anchor) :]
     if eos_text and tail.startswith(eos_text):
         tail = tail[len(eos_text) :]
     return list(tokenizer.encode(tail, add_special_tokens=False))
 
 
+def _rendered(content: str, text: str) -> bool:
+    """``content`` appears in ``text`` as written, stripped, or as a JSON string (Jinja's
+    ``tojson`` also escapes ``<``, ``>``, ``&`` and ``'``)."""
+    quoted = json.dumps(content)[1:-1]
+    jinja = "".join(_JINJA_JSON.get(c, c) for c in quoted)
+    return any(form in text for form in (content, content.strip(), quoted, jinja))
+
+
+_JINJA_JSON = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "'": "\\u0027"}
+# A tool answer with what templates escape or trim: checks that it is found however rendered.
+CHECK_ANSWER = ' tool answer "3" <ok> & it\'s\nline 2 '
+
+
 def check_tool_template(tokenizer: Tokenizer, tools: list[dict[str, Any]]) -> None:
     """Render one tool turn as the loop does (``tool_turn_ids``): a user message, an assistant
-    turn that calls the first tool (once as is, once after a reasoning block), its answer.
-    Raises ``AgentTemplateError`` when the chat template cannot."""
+    turn that calls the first tool (once as is, once after a reasoning block), an answer with
+    quotes, markup and a newline. With a declared call format, its ``response_template`` must
+    parse a plain answer. Raises ``AgentTemplateError`` when the tokenizer cannot."""
     name = str(tools[0].get("function", tools[0]).get("name", "tool"))
     call = f"<tool_call>{json.dumps({'name': name, 'arguments': {}})}{TOOL_CALL_END}"
-    answer = [{"role": "tool", "name": name, "content": "tool answer 3"}]
+    answer = [{"role": "tool", "name": name, "content": CHECK_ANSWER}]
     eos = getattr(tokenizer, "eos_token", None)
     for content in (call, f"<think>\nI add.\n{REASONING_END}\n\n{call}"):
         conversation = [
@@ -259,11 +302,22 @@ def check_tool_template(tokenizer: Tokenizer, tools: list[dict[str, Any]]) -> No
         except AgentTemplateError:
             raise
         except Exception as exc:  # a template's own error (an unknown role, a raise_exception)
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise AgentTemplateError(
-                f"the chat template fails on a tool turn ({first}); use a template with a "
-                "`tool` role (Hermes/ChatML or Qwen3 style) for rollout.tools"
+                f"the chat template fails on a tool turn ({_first_line(exc)}); use a template "
+                "with a `tool` role (Hermes/ChatML or Qwen3 style) for rollout.tools"
             ) from None
+    if tool_call_format(tokenizer).declared:
+        try:
+            tokenizer.parse_response("3", prefix="")
+        except Exception as exc:  # noqa: BLE001 - transformers' own error for the template
+            raise AgentTemplateError(
+                f"the tokenizer's response_template does not parse an answer "
+                f"({_first_line(exc)}); fix its response_template or remove it (Hermes calls)"
+            ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def final_answer(messages: list[dict[str, Any]]) -> str:
@@ -289,24 +343,30 @@ class _Turn:
         if not self.format.declared:
             return parse_tool_calls(text)
         prefix = str(self.tokenizer.decode(context.tolist(), skip_special_tokens=False))
-        return parse_declared_calls(self.tokenizer, text, prefix=prefix, tools=self.schemas)
+        return parse_declared_calls(
+            self.tokenizer, text, prefix=prefix, tools=self.schemas, form=self.format
+        )
 
 
 def _call_end(ids: list[int], turn: _Turn) -> int:
-    """Index just after the token that completes the turn's first call (the earliest closing
-    text of its format), -1 when none does. Found in the text, so a closing text the policy
-    spelled in other tokens than the tokenizer's own counts too: each token is decoded alone
-    and the first whose running text holds a closing text ends the call."""
-    text = str(turn.tokenizer.decode(ids, skip_special_tokens=False))
-    if not any(close in text for close in turn.format.closes):
+    """Index just after the token that completes the turn's first call (what ends a call in
+    its format), -1 when none does. Found in the decoded text, so an end the policy spelled in
+    other tokens than the tokenizer's own counts too: the shortest prefix of ``ids`` whose text
+    holds it (a binary search over prefixes: a prefix that holds it stays holding it)."""
+
+    def closed(k: int) -> bool:
+        return turn.format.closed(str(turn.tokenizer.decode(ids[:k], skip_special_tokens=False)))
+
+    if not closed(len(ids)):
         return -1
-    pieces = turn.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
-    running = ""
-    for index, piece in enumerate(pieces):
-        running += str(piece)
-        if any(close in running for close in turn.format.closes):
-            return index + 1
-    return -1
+    low, high = 1, len(ids)
+    while low < high:
+        middle = (low + high) // 2
+        if closed(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def _messages(raw_prompt: Any) -> list[dict[str, Any]]:

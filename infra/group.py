@@ -19,6 +19,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import ray
 
 from infra.cluster import ResourcePool
+from infra.engines.base import EngineFailedError
 from infra.faults import WorkerFault
 from infra.workers import ModelWorker, WorkerSpec
 from storage import BatchMeta
@@ -109,6 +110,12 @@ class WorkerGroup:
             ) from None
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
+            if isinstance(cause, EngineFailedError):  # a worker that serves no more
+                raise WorkerDied(
+                    f"a worker of pool {self.pool.name!r} (roles {', '.join(self.roles)}) "
+                    f"cannot serve {what}: {cause}",
+                    self,
+                ) from None
             if isinstance(cause, Exception):
                 raise cause from None  # the step's own error, e.g. a non-finite score
             raise

@@ -4,7 +4,7 @@ Stages never pass tensors to each other: each reads its inputs from and writes i
 store, and passes only a `BatchMeta` handle on::
 
     from storage import open_store
-    store = open_store("memory://")                       # embedded, in-process (the default)
+    store = open_store("memory://")          # in-process (a test's); a run opens store.url
     meta = store.kv_batch_put(keys, "train/step-000001", {"prompt_ids": ids, "scores": s})
     td = store.kv_batch_get(meta.keys, meta.partition_id, ["prompt_ids"], timeout=30)
 

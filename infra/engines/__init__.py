@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from infra.engines.base import (
     EngineAsleepError,
+    EngineFailedError,
     GenerationEngine,
     GenerationOutput,
     Sleepable,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EngineAsleepError",
+    "EngineFailedError",
     "GenerationEngine",
     "GenerationOutput",
     "Sleepable",

@@ -40,6 +40,11 @@ class EngineAsleepError(RuntimeError):
     """A sleeping engine or scorer was asked to compute; call ``wake_up()`` first."""
 
 
+class EngineFailedError(RuntimeError):
+    """An engine failed in an earlier call and serves no more: the worker that holds it is
+    replaced as a dead one is (``infra.group.WorkerGroup.get`` raises ``WorkerDied``)."""
+
+
 @dataclass(frozen=True)
 class GenerationOutput:
     """Sampled responses, prompt-major: prompt ``i`` owns rows ``i*n .. i*n+n-1``.

@@ -51,7 +51,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from infra.engines.base import EngineAsleepError, GenerationOutput, check_generate_args
+from infra.engines.base import (
+    EngineAsleepError,
+    EngineFailedError,
+    GenerationOutput,
+    check_generate_args,
+)
 from infra.engines.vllm_extension import LOAD_METHOD, WORKER_EXTENSION, write_weights
 
 __all__ = [
@@ -68,9 +73,9 @@ class VLLMUnavailableError(ImportError):
     """vLLM was asked for but is not installed."""
 
 
-class VLLMEngineFailedError(RuntimeError):
+class VLLMEngineFailedError(EngineFailedError):
     """The engine failed inside an earlier call and serves nothing more: vLLM's engine core may
-    hold that call's half-run requests, and a later call would wait on them for ever."""
+    hold that call's half-run requests, which a later call would wait on."""
 
 
 def is_vllm_available() -> bool:
@@ -314,7 +319,8 @@ class VLLMEngine:
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on vLLM. A request vLLM refuses (its client errors) leaves
         the engine as it was; any other failure marks it failed, and every later call raises
-        ``VLLMEngineFailedError`` at once, naming that failure, instead of waiting."""
+        ``VLLMEngineFailedError`` at once, naming that failure (the run then replaces the
+        worker: ``infra.engines.base.EngineFailedError``)."""
         if self._failed is not None:
             raise VLLMEngineFailedError(
                 f"the vLLM engine failed in an earlier call ({self._failed}) and serves no more; "

@@ -293,23 +293,31 @@ async def _versions(key: str) -> int:
 def test_the_phase_artifact_ends_at_100_and_a_phase_that_comes_back_keeps_it(
     prefect_harness: None,
 ) -> None:
+    """A phase's artifact ends at 100; one a phase that comes back keeps is updated in place
+    and at most every interval, its ends included (with an hour's interval: the first report
+    only; with none: every report, so it ends at 100)."""
+
     @flow(name="progress-phase")
     def phases() -> None:
         artifact = ProgressArtifact("phase-run-sft", description="sft", interval_s=3600)
         progress = PhaseProgress("warm start: sft", artifact=artifact, bar=False)
         for step in range(1, 6):
             progress(step, 5)
-        each = ProgressArtifact("phase-run-eval", description="evaluations", interval_s=3600)
-        for step in (0, 10):
-            evaluation = step_phase_progress(f"evaluation at step {step}", each)
-            for part in range(3):
-                evaluation(part, 2)
+        for key, interval in (("phase-run-eval", 3600.0), ("phase-run-refill", 0.0)):
+            each = ProgressArtifact(key, description=key, interval_s=interval, recurring=True)
+            for step in (0, 10):
+                evaluation = step_phase_progress(f"evaluation at step {step}", each)
+                for part in range(3):
+                    evaluation(part, 2)
 
     phases()
-    for key in ("phase-run-sft", "phase-run-eval"):
+    for key, value in (("phase-run-sft", 100.0), ("phase-run-eval", 0.0)):
         artifact = Artifact.get(key)
-        assert artifact is not None and float(artifact.data) == 100.0
+        assert artifact is not None and float(artifact.data) == value, key
+    refill = Artifact.get("phase-run-refill")
+    assert refill is not None and float(refill.data) == 100.0
     assert asyncio.run(_versions("phase-run-eval")) == 1  # updated in place
+    assert asyncio.run(_versions("phase-run-refill")) == 1
 
 
 def test_an_api_that_fails_costs_one_warning(

@@ -5,6 +5,7 @@ budget, and every kind of bad call as a counted error."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -234,13 +235,21 @@ def test_tool_turn_ids_need_a_template_with_a_tool_role(tokenizer) -> None:
 
 
 @pytest.mark.parametrize(
-    "thinking", ["", "<think>\nadd the two\n</think>\n\n"], ids=["no_reasoning", "reasoning"]
+    "thinking",
+    [
+        "",
+        "<think>\nadd the two\n</think>\n\n",
+        "<think>\n\n</think>\n\n",  # empty: rendered without it once other messages follow
+        "<think>\nadd\n\n</think>\n",  # spaced otherwise than the template writes it
+    ],
+    ids=["no_reasoning", "reasoning", "empty_reasoning", "reasoning_spaced_otherwise"],
 )
 def test_a_qwen3_style_template_extends_the_sampled_ids_with_or_without_reasoning(
     pool, tools_file, thinking
 ):
-    """A turn that is no longer the last loses its empty reasoning block in this template's
-    rendering; the tool turn is still the template's tokens after the sampled ones."""
+    """A turn that other messages follow loses its empty reasoning block in this template's
+    rendering (and has its reasoning re-spaced); the tool turn is still the template's tokens
+    after the sampled ones."""
     tokenizer = build_hermes_tokenizer(REASONING_TEMPLATE)
     prompt_ids, engine, out, schemas = _loop(tokenizer, pool, tools_file, [thinking + CALL, "50"])
     t = out[0]
@@ -305,3 +314,76 @@ def test_a_declared_call_that_does_not_parse_is_an_error_message(pool, tools_fil
         tokenizer, '<function=add>{"a": "7", "b": 2}</function>', prefix="", tools=schemas
     )
     assert calls == [ToolCall("add", {"a": 7, "b": 2})]
+
+
+# Llama-3.1 style: a tool answer goes through ``tojson`` (quotes and escapes).
+TOJSON_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}"
+    "{{ '<|im_start|>ipython\\n' + (message.content | tojson) + '<|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_tool_answer_the_template_escapes_is_found_and_the_check_renders_one() -> None:
+    from infra.agent_loop import CHECK_ANSWER
+
+    tokenizer = build_hermes_tokenizer(TOJSON_TEMPLATE)
+    conversation = [
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": CALL},
+    ]
+    answer = 'error: a "call" <is>\n{}'
+    ids = tool_turn_ids(
+        tokenizer,
+        conversation,
+        [{"role": "tool", "name": "add", "content": answer}],
+        tools=None,
+        eos_text="<|im_end|>",
+    )
+    expected = "\n<|im_start|>ipython\n" + json.dumps(answer)  # transformers' tojson
+    assert tokenizer.decode(ids) == expected + "<|im_end|>\n<|im_start|>assistant\n"
+    assert '"' in CHECK_ANSWER and "\n" in CHECK_ANSWER and "<" in CHECK_ANSWER
+    check_tool_template(tokenizer, [{"function": {"name": "add"}}])
+
+
+def test_the_sampled_turn_repeated_earlier_in_the_conversation_is_not_taken_for_it(tokenizer):
+    """The policy's call also stands in the user's prompt (a few-shot example): the tool turn
+    starts after the assistant's own text, not after the example."""
+    conversation = [
+        {"role": "user", "content": f"Call like this: {CALL} What is 2+3?"},
+        {"role": "assistant", "content": CALL},
+    ]
+    ids = tool_turn_ids(
+        tokenizer,
+        conversation,
+        [{"role": "tool", "name": "add", "content": "5"}],
+        tools=None,
+        eos_text="<|im_end|>",
+    )
+    assert tokenizer.decode(ids) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_a_declared_format_the_parser_refuses_is_an_input_error_and_plain_text_no_call(
+    tmp_path,
+):
+    from infra.agent_loop import AgentTemplateError
+
+    broken = build_hermes_tokenizer(
+        DECLARED_TEMPLATE, {"fields": {"tool_calls": {"open": "<f>", "close": "</f>"}}}
+    )  # no start_anchor: transformers refuses the template
+    with pytest.raises(AgentTemplateError, match="response_template does not parse an answer"):
+        check_tool_template(broken, [{"function": {"name": "add"}}])
+    tokenizer = build_hermes_tokenizer(DECLARED_TEMPLATE, DECLARED_RESPONSE_TEMPLATE)
+    # A reply the parser refuses is a failed call only when it closes one.
+    assert parse_declared_calls(broken, "just 3", prefix="", tools=None) == []
+    bad = parse_declared_calls(broken, "<f>{</f>", prefix="", tools=None)
+    assert len(bad) == 1 and isinstance(bad[0], ToolResult) and bad[0].error
+    assert parse_declared_calls(tokenizer, "just 3", prefix="", tools=None) == []
