@@ -24,13 +24,9 @@ import torch
 from byo_assets import QWEN_SPECIALS, _bpe
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-HERMES_TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\\nYou may call these tools:\\n<tools>' }}"
-    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
-    '{{ \'\\n</tools>\\nCall one as <tool_call>{"name": <name>, "arguments": <object>}'
-    "</tool_call><|im_end|>\\n' }}{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'tool' %}"
+# Consecutive tool messages in one user turn of <tool_response> blocks, any other message as it
+# is, then the generation prompt: the end of the Hermes and the reasoning templates.
+_TOOL_TURNS_AND_THE_REST = (
     "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
     "{{ '<|im_start|>user' }}{% endif %}"
     "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
@@ -41,6 +37,15 @@ HERMES_TEMPLATE = (
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+HERMES_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nYou may call these tools:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    '{{ \'\\n</tools>\\nCall one as <tool_call>{"name": <name>, "arguments": <object>}'
+    "</tool_call><|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}" + _TOOL_TURNS_AND_THE_REST
 )
 
 _TOOLS_SYSTEM = (
@@ -63,17 +68,7 @@ REASONING_TEMPLATE = (
     "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
     "{% else %}{{ '<|im_start|>assistant\\n' + content }}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
-    "{% elif message.role == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
-    "{{ '<|im_start|>user' }}{% endif %}"
-    "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
-    "{{ '<|im_end|>\\n' }}{% endif %}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% elif message.role == 'tool' %}" + _TOOL_TURNS_AND_THE_REST
 )
 
 DECLARED_TEMPLATE = (

@@ -91,10 +91,9 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def build_tiny_judge(out: Path, *, verdict: str = "yes", seed: int = 0) -> Path:
-    """Save the judge (see the module docstring) under ``out``; returns ``out``."""
-    tok = _tokenizer()
-    config = LlamaConfig(
+def _config(tok: PreTrainedTokenizerFast) -> LlamaConfig:
+    """One layer, hidden size 64, an untied head: the judges' shape."""
+    return LlamaConfig(
         vocab_size=len(tok),
         hidden_size=64,
         num_hidden_layers=1,
@@ -107,6 +106,12 @@ def build_tiny_judge(out: Path, *, verdict: str = "yes", seed: int = 0) -> Path:
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+
+
+def build_tiny_judge(out: Path, *, verdict: str = "yes", seed: int = 0) -> Path:
+    """Save the judge (see the module docstring) under ``out``; returns ``out``."""
+    tok = _tokenizer()
+    config = _config(tok)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     cycle = [
@@ -148,19 +153,7 @@ def build_marker_judge(out: Path, *, seed: int = 0) -> Path:
     tok.chat_template = MARKER_TEMPLATE
     agree, eos = tok.convert_tokens_to_ids(AGREE), tok.eos_token_id
     yes, no = _single_token(tok, "yes"), _single_token(tok, "no")
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        bos_token_id=tok.pad_token_id,
-        eos_token_id=eos,
-        pad_token_id=tok.pad_token_id,
-    )
+    config = _config(tok)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     # a, b, z: orthonormal columns of a seeded random (hidden, 3) matrix.
