@@ -199,8 +199,7 @@ def parse_declared_calls(
     except Exception as exc:  # noqa: BLE001 - the parser's own error, whatever its type
         if not (form or tool_call_format(tokenizer)).closed(text):
             return []
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return [ToolResult(f"error: the tool call does not parse ({first})", True)]
+        return [ToolResult(f"error: the tool call does not parse ({_first_line(exc)})", True)]
     calls = message.get("tool_calls") if isinstance(message, dict) else None
     out: list[ToolCall | ToolResult] = []
     for item in calls if isinstance(calls, list) else []:
