@@ -41,6 +41,7 @@ probe (``probe_logprobs``) uses vLLM's prompt log-probs, which are taken from th
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import weakref
@@ -160,6 +161,14 @@ def llm_options(
         options["distributed_executor_backend"] = "mp"
     options.update(llm_kwargs)
     return options
+
+
+def first_row_seed(seed: int) -> int:
+    """The sampling seed of a call's first row; row j takes this plus j. It is a hash of the
+    call's ``seed``, so calls whose seeds differ by a little (the shards of one step) start far
+    apart instead of sharing rows' sampling streams."""
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x3FFF_FFFF
 
 
 def _remove(path: Path | None) -> None:
@@ -355,7 +364,8 @@ class VLLMEngine:
         seed: int,
         min_new_tokens: int = 0,
     ) -> GenerationOutput:
-        """Sample ``n`` responses per prompt (prompt-major rows); prompt i uses seed ``seed + i``."""
+        """Sample ``n`` responses per prompt (prompt-major rows), row j with the seed
+        ``first_row_seed(seed) + j``: no two rows of one call share a sampling stream."""
         if not self._awake:
             raise EngineAsleepError("VLLMEngine.generate() while asleep: call wake_up() first")
         check_generate_args(
@@ -367,6 +377,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        first = first_row_seed(seed)
         params = [
             SamplingParams(
                 n=n,
@@ -374,7 +385,7 @@ class VLLMEngine:
                 top_p=top_p,
                 max_tokens=max_new_tokens,
                 min_tokens=min_new_tokens,
-                seed=seed + index,
+                seed=first + index * n,  # vLLM seeds the k-th sample of a request with seed + k
                 logprobs=0,
                 stop_token_ids=self._stop_token_ids,
             )

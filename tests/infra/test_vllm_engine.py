@@ -122,6 +122,18 @@ def test_a_batch_over_one_scheduler_step_samples_with_each_prompts_seed(engine, 
     assert [r.tolist() for r in first.response_ids] == [r.tolist() for r in again.response_ids]
 
 
+def test_no_two_rows_of_a_call_share_a_sampling_stream(engine, prompts) -> None:
+    """The same prompt twice, 4 samples each: no response of more than 3 tokens comes twice
+    (the tiny model may end at once, so short ones may). vLLM seeds the k-th sample of a
+    request with seed s as s + k, so prompts seeded s and s + 1 would give the second prompt's
+    samples 0-2 the first prompt's samples 1-3."""
+    out = engine.generate([prompts[1], prompts[1]], n=4, max_new_tokens=16, seed=5)
+    rows = [tuple(r.tolist()) for r in out.response_ids]
+    assert rows[4:7] != rows[1:4], rows
+    long = [row for row in rows if len(row) > 3]
+    assert len(long) >= 4 and len(set(long)) == len(long), rows
+
+
 FAILED_ENGINE = """
 import sys, torch
 from infra.engines import make_engine
