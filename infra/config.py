@@ -677,9 +677,28 @@ class LoraConfig(_Section):
 
 
 class ActorOptimConfig(OptimConfig):
-    """The actor's optimisation: as the critic's, plus LoRA and the policy loss."""
+    """The actor's optimisation: as the critic's, plus LoRA, padding-free micro-batches and the
+    policy loss."""
+
+    @model_validator(mode="after")
+    def _padding_free_has_a_budget(self) -> ActorOptimConfig:
+        if self.padding_free and self.max_tokens_per_micro_batch is None:
+            raise ValueError(
+                "actor.padding_free=true needs a token budget: set "
+                "actor.max_tokens_per_micro_batch (or actor.padding_free=false)"
+            )
+        return self
 
     lora: LoraConfig | None = Field(None, description="LoRA adapters (None = full fine-tuning).")
+    padding_free: bool = Field(
+        False,
+        description=(
+            "Lay each micro-batch's samples end to end without padding (needs "
+            "max_tokens_per_micro_batch, then about that many real tokens a micro-batch); the "
+            "model keeps each sample to its own tokens through position_ids (transformers' "
+            "packed-sequence masks), which the update checks once before its first step."
+        ),
+    )
     policy_loss: PolicyLossKind = Field(
         "ppo",
         description=(

@@ -17,8 +17,12 @@ from torch import Tensor
 from tasks.masks import lengths_to_mask
 
 __all__ = [
+    "EndToEnd",
     "PackedBatch",
+    "count_end_to_end_micro_batches",
     "count_token_micro_batches",
+    "end_to_end",
+    "end_to_end_micro_batches",
     "gather_response_logits",
     "gather_response_logprobs",
     "gather_response_values",
@@ -153,16 +157,26 @@ def pack_batch(*, prompt_ids: list[Tensor], response_ids: list[Tensor], pad_id: 
 
 
 def gather_response_logits(
-    *, logits: Tensor, batch: PackedBatch, temperature: float = 1.0
+    *,
+    logits: Tensor,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    layout: EndToEnd | None = None,
 ) -> Tensor:
     """(B, T, V) float32+ logits / temperature at the positions predicting each response token.
 
-    Only the T response positions are copied out of the (B, L, V) logits.
+    Only the T response positions are copied out of the (B, L, V) logits, or, with the
+    `layout` the logits were computed over, out of its (N, W, V) logits.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    rows = torch.arange(batch.batch_size, device=logits.device).unsqueeze(1)  # (B, 1)
-    selected = logits[rows, batch.response_index.to(logits.device)]  # (B, T, V)
+    if layout is None:
+        rows = torch.arange(batch.batch_size, device=logits.device).unsqueeze(1)  # (B, 1)
+        index = batch.response_index.to(logits.device)  # (B, T)
+    else:
+        rows = layout.row_bin.to(logits.device).unsqueeze(1)  # (B, 1)
+        index = layout.response_index.to(logits.device)  # (B, T)
+    selected = logits[rows, index]  # (B, T, V)
     if selected.dtype in (torch.float16, torch.bfloat16):
         selected = selected.float()
     return selected / temperature if temperature != 1.0 else selected
@@ -238,6 +252,136 @@ def _greedy_groups(lengths: Tensor, budget: int) -> list[list[int]]:
         groups.append(index[start : start + take])
         start += take
     return groups
+
+
+@dataclass(frozen=True)
+class EndToEnd:
+    """The rows of a `PackedBatch` laid end to end in N bins of W tokens, without padding
+    between them (the padding-free layout of ``actor.padding_free``).
+
+    input_ids (N, W) long: each bin's rows one after another, the rest of the bin filled with
+        the bin's first token (a segment of its own, whose outputs are never read)
+    position_ids (N, W) long: 0, 1, … within each row, and again from 0 on the filler
+    row_bin (B,) long: the bin of each row
+    response_index (B, T) long: the bin position whose logits predict response token t
+        (the row's start in its bin + prompt_len + t − 1, clamped into [0, W − 1] on padding)
+
+    A model that derives its attention from ``position_ids`` when neither an ``attention_mask``
+    nor a cache is given (transformers' masks for packed sequences: call it with
+    ``use_cache=False``) keeps every row to its own tokens, so the row's logits are those of its
+    padded forward up to float rounding.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    row_bin: Tensor
+    response_index: Tensor
+
+
+def _first_fit_bins(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Rows (by index) in bins of at most `capacity` tokens: longest first, each into the
+    first bin it fits (first-fit decreasing; a row longer than `capacity` is a bin alone)."""
+    order = sorted(range(len(lengths)), key=lambda row: (-lengths[row], row))
+    free: list[int] = []
+    bins: list[list[int]] = []
+    for row in order:
+        for at, room in enumerate(free):
+            if lengths[row] <= room:
+                free[at] -= lengths[row]
+                bins[at].append(row)
+                break
+        else:
+            free.append(capacity - lengths[row])
+            bins.append([row])
+    return bins
+
+
+def end_to_end(batch: PackedBatch, width: int | None = None) -> EndToEnd:
+    """Lay the batch's rows end to end (`EndToEnd`) in bins `width` tokens wide (None: as wide
+    as its longest row; a row longer than `width` widens the bins to it).
+
+    1. Bins: first-fit decreasing of the rows' prompt + response lengths.
+    2. Each row's tokens copied to its bin at its offset, its positions 0 … n − 1.
+    3. The filler after a bin's last row: the bin's first token, positions 0, 1, ….
+    """
+    # 1.
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    width = max(max(lengths), width or 0, 1)
+    bins = _first_fit_bins(lengths, width)
+    input_ids = torch.empty((len(bins), width), dtype=torch.long)  # (N, W)
+    position_ids = torch.empty((len(bins), width), dtype=torch.long)  # (N, W)
+    row_bin = torch.empty(batch.batch_size, dtype=torch.long)  # (B,)
+    offsets = torch.empty(batch.batch_size, dtype=torch.long)  # (B,)
+    ids = batch.input_ids.cpu()
+    for at, rows in enumerate(bins):
+        # 2.
+        start = 0
+        for row in rows:
+            n = lengths[row]
+            input_ids[at, start : start + n] = ids[row, :n]
+            position_ids[at, start : start + n] = torch.arange(n)
+            row_bin[row], offsets[row] = at, start
+            start += n
+        # 3.
+        input_ids[at, start:] = input_ids[at, 0]
+        position_ids[at, start:] = torch.arange(width - start)
+    index = offsets.unsqueeze(1) + batch.response_index.cpu()  # (B, T)
+    return EndToEnd(
+        input_ids=input_ids.to(batch.input_ids.device),
+        position_ids=position_ids.to(batch.input_ids.device),
+        row_bin=row_bin,
+        response_index=index.clamp(max=width - 1),
+    )
+
+
+def _end_to_end_groups(lengths: Tensor, budget: int) -> list[list[int]]:
+    """First-fit-decreasing bins of all the rows, as wide as the longest; then consecutive bins
+    grouped so a group's bins × that width stay ≤ `budget` (at least one bin a group); each
+    group's rows in row order. `end_to_end` of a group's rows at that width makes the same
+    bins: first-fit decreasing over a union of bins refills exactly those bins."""
+    if budget < 1:
+        raise ValueError(f"the token budget must be ≥ 1, got {budget}")
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be 1-D (B,), got shape {tuple(lengths.shape)}")
+    sizes = lengths.detach().cpu().tolist()
+    if not sizes:
+        return []
+    width = max(max(sizes), 1)
+    bins = _first_fit_bins(sizes, width)
+    per_group = max(budget // width, 1)
+    return [
+        sorted(row for rows in bins[start : start + per_group] for row in rows)
+        for start in range(0, len(bins), per_group)
+    ]
+
+
+def count_end_to_end_micro_batches(lengths: Tensor, budget: int) -> int:
+    """The micro-batches `end_to_end_micro_batches` makes for rows of these (B,) lengths."""
+    return len(_end_to_end_groups(lengths, budget))
+
+
+def end_to_end_micro_batches(
+    lengths: Tensor, budget: int, count: int | None = None
+) -> list[Tensor]:
+    """Row indices (long) of each micro-batch whose rows are laid end to end (`end_to_end` at
+    the width of the longest of all these rows): `budget // width` first-fit-decreasing bins a
+    micro-batch, so a micro-batch costs about its real tokens, not its rows × its longest row.
+    With `count` (from that many up to B): the micro-batch of the most tokens halved (every
+    second of its rows, longest first) until there are `count`."""
+    groups = _end_to_end_groups(lengths, budget)
+    if count is not None:
+        if not len(groups) <= count <= len(lengths):
+            raise ValueError(
+                f"count={count} micro-batches is outside [{len(groups)}, {len(lengths)}]: at "
+                f"least the fewest packing under budget {budget}, at most one per row"
+            )
+        sizes = lengths.detach().cpu().tolist()
+        while len(groups) < count:
+            costs = [sum(sizes[row] for row in g) if len(g) > 1 else -1 for g in groups]
+            at = costs.index(max(costs))
+            rows = sorted(groups[at], key=lambda row: (-sizes[row], row))
+            groups[at : at + 1] = [sorted(rows[0::2]), sorted(rows[1::2])]
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
 
 
 def count_token_micro_batches(lengths: Tensor, budget: int) -> int:

@@ -278,7 +278,8 @@ def _common(mode: str, run_dir: Path, total_steps: int, threads: int) -> list[st
 def _varlen_overrides(work: Path) -> list[str]:
     """``grpo-varlen``: the EOS-biased policy, the shared prompt file in file order, responses
     up to ``VARLEN.max_new_tokens`` ending at EOS, groups of ``VARLEN.group_size``, one
-    optimizer step per batch, token-budget micro-batches for the update and forward passes."""
+    optimizer step per batch, token-budget micro-batches for the update and forward passes, the
+    update's rows laid end to end without padding (``actor.padding_free``)."""
     root = work / "varlen"
     v = VARLEN
     optim = [
@@ -305,6 +306,7 @@ def _varlen_overrides(work: Path) -> list[str]:
         "algorithm.estimator=grpo",
         "algorithm.kl.monitor=false",  # TRL: beta 0, no reference
         *[f"actor.{o}" for o in optim],
+        "actor.padding_free=true",
         f"logprobs.max_tokens_per_micro_batch={v.token_budget}",
     ]
 
@@ -329,6 +331,6 @@ MODES = {
     f"{VARLEN.group_size}), responses ending at EOS (P(EOS) ~ {VARLEN.eos_prob} per token set in "
     f"the saved policy, at most {VARLEN.max_new_tokens} tokens, temperature 1, top_p 1), the same "
     "prompt file in file order; ppoflow algorithm.estimator=grpo with token-budget micro-batches "
-    f"({VARLEN.token_budget} tokens); TRL GRPOTrainer with the reward model, beta 0; each run "
+    f"({VARLEN.token_budget} tokens), the update's rows end to end without padding; TRL GRPOTrainer with the reward model, beta 0; each run "
     "alone (ppoflow flow@all and flow-async, TRL at all threads and at --threads)",
 }

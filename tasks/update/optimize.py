@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +31,10 @@ from torch import Tensor, nn
 
 from tasks.batching import (
     PackedBatch,
+    count_end_to_end_micro_batches,
     count_token_micro_batches,
+    end_to_end,
+    end_to_end_micro_batches,
     gather_response_logits,
     gather_response_values,
     logprobs_from_response_logits,
@@ -97,6 +101,10 @@ class ActorUpdateSettings:
     max_tokens_per_micro_batch: when set, each mini-batch's rows are instead sorted by length
         and packed into micro-batches of ≤ this many padded tokens (rows × longest row; see
         `tasks.batching.token_micro_batches`), and micro_batch_size is not used for the split;
+    padding_free: with max_tokens_per_micro_batch, lay each micro-batch's rows end to end
+        without padding (`tasks.batching.end_to_end`: about this budget of real tokens a
+        micro-batch), the model's attention kept to each row by ``position_ids``
+        (``actor.padding_free``; `actor_update` first checks that the model does so);
     policy: the policy loss (``actor.policy_loss``) and every loss's settings
         (`tasks.update.core.PolicyLossSettings`, built once from ``actor.*``);
     agg: loss aggregation mode;
@@ -118,6 +126,7 @@ class ActorUpdateSettings:
     mini_batch_size: int
     micro_batch_size: int
     max_tokens_per_micro_batch: int | None
+    padding_free: bool
     policy: PolicyLossSettings
     agg: str
     entropy_coef: float
@@ -142,6 +151,11 @@ class ActorUpdateSettings:
         )
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg {self.agg!r} is not one of {sorted(AGGREGATIONS)}")
+        if self.padding_free and self.max_tokens_per_micro_batch is None:
+            raise ValueError(
+                "padding_free lays rows end to end under a token budget: set "
+                "max_tokens_per_micro_batch too (actor.max_tokens_per_micro_batch)"
+            )
         if self.rollout_correction not in CORRECTIONS:
             raise ValueError(
                 f"rollout_correction {self.rollout_correction!r} is not one of "
@@ -318,10 +332,21 @@ def _actor_micro_step(
     cfg: ActorUpdateSettings,
     loss_denominator: float,
     tally: _Tally,
+    width: int | None = None,
 ) -> dict[str, float]:
-    """Forward + backward of one micro-batch; returns its (already normalised) loss parts."""
-    logits = _forward_logits(model, mb)  # (b, L, V)
-    mb_logits = gather_response_logits(logits=logits, batch=mb, temperature=cfg.temperature)
+    """Forward + backward of one micro-batch; returns its (already normalised) loss parts.
+    ``width`` (with ``cfg.padding_free``): the bins' width, the mini-batch's longest row."""
+    if cfg.padding_free:
+        layout = end_to_end(mb, width)
+        logits = model(
+            input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
+        ).logits  # (n, W, V)
+        mb_logits = gather_response_logits(
+            logits=logits, batch=mb, temperature=cfg.temperature, layout=layout
+        )  # (b, T, V)
+    else:
+        logits = _forward_logits(model, mb)  # (b, L, V)
+        mb_logits = gather_response_logits(logits=logits, batch=mb, temperature=cfg.temperature)
     logprobs = logprobs_from_response_logits(response_logits=mb_logits, batch=mb)  # (b, T)
     with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.entropy_coef != 0.0):
         entropy = entropy_from_logits(logits=mb_logits)  # (b, T)
@@ -445,7 +470,8 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-# Called as (model=, mb=, mb_tensors=, cfg=, loss_denominator=, tally=) -> loss parts.
+# Called as (model=, mb=, mb_tensors=, cfg=, loss_denominator=, tally=) -> loss parts, the
+# actor's with width= too when its micro-batches are padding-free.
 MicroStep = Callable[..., dict[str, float]]
 # This worker's micro-batch count for a mini-batch → the count to run (e.g. the MAX over workers).
 MicroBatchCount = Callable[[int], int]
@@ -465,9 +491,12 @@ def _micro_rows(
     the rows (halving token-budget micro-batches, or even runs of rows).
     """
     budget = cfg.max_tokens_per_micro_batch
+    padding_free = isinstance(cfg, ActorUpdateSettings) and cfg.padding_free
     lengths = (batch.prompt_lengths + batch.response_lengths)[mini_rows.to(batch.input_ids.device)]
     if budget is None:
         own = -(-int(mini_rows.numel()) // cfg.micro_batch_size)
+    elif padding_free:
+        own = count_end_to_end_micro_batches(lengths, budget)
     else:
         own = count_token_micro_batches(lengths, budget)
     count = own if micro_batch_count is None else micro_batch_count(own)
@@ -480,7 +509,19 @@ def _micro_rows(
         if count == own:
             return list(torch.split(mini_rows, cfg.micro_batch_size))
         return list(torch.tensor_split(mini_rows, count))
-    return [mini_rows[group] for group in token_micro_batches(lengths, budget, count)]
+    split = end_to_end_micro_batches if padding_free else token_micro_batches
+    return [mini_rows[group] for group in split(lengths, budget, count)]
+
+
+def _bin_width(
+    batch: PackedBatch, mini_rows: Tensor, cfg: ActorUpdateSettings | CriticUpdateSettings
+) -> dict[str, int]:
+    """``{"width": the mini-batch's longest row}`` for padding-free actor micro-batches (their
+    bins' width, see `tasks.batching.end_to_end_micro_batches`), else nothing."""
+    if not (isinstance(cfg, ActorUpdateSettings) and cfg.padding_free):
+        return {}
+    lengths = batch.prompt_lengths + batch.response_lengths
+    return {"width": int(lengths[mini_rows.to(lengths.device)].max())}
 
 
 @dataclass
@@ -529,12 +570,15 @@ class _Epochs:
             for mini_rows, denominator in zip(minibatches, denominators):
                 # 2. Forward/backward every micro-batch with the mini-batch's denominator.
                 micro = _micro_rows(batch, mini_rows, cfg, micro_batch_count)
+                bins = _bin_width(batch, mini_rows, cfg)
                 for index, micro_rows in enumerate(micro):
                     mb, mb_tensors = _micro_batch(batch, per_token, micro_rows, device)
                     last = index == len(micro) - 1
                     with grad_sync(last) if grad_sync is not None else contextlib.nullcontext():
                         tally.add_step(
-                            **step(mb=mb, mb_tensors=mb_tensors, loss_denominator=denominator)
+                            **step(
+                                mb=mb, mb_tensors=mb_tensors, loss_denominator=denominator, **bins
+                            )
                         )
                 # 3. Reduce, clip, step.
                 grad_norm = _optimizer_step(
@@ -610,6 +654,8 @@ def actor_update(
             "rollout_logprobs (or old_logprobs with old_is_rollout)"
         )
     _check_per_token(batch, per_token)
+    if cfg.padding_free:
+        check_keeps_rows_apart(model, batch)
 
     loop = _Epochs(
         role="actor", model=model, optimizer=optimizer, cfg=cfg, micro_step=_actor_micro_step
@@ -628,6 +674,48 @@ def actor_update(
     metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["actor/skipped_steps"] = float(tally.skipped_steps)
     return metrics
+
+
+class PaddingFreeError(ValueError):
+    """The model mixes rows laid end to end (``actor.padding_free``)."""
+
+
+_KEEPS_ROWS_APART: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+@torch.no_grad()
+def check_keeps_rows_apart(model: nn.Module, batch: PackedBatch, *, probe_tokens: int = 16) -> None:
+    """Raise `PaddingFreeError` unless the model's logits for two rows laid end to end equal
+    those of each row alone (once per model; float32 and float64 logits within 1e-4, lower
+    precisions within 5e-2).
+
+    The rows are the batch's first two cut to `probe_tokens` tokens each (one row twice when
+    the batch has one). A model that does not build its attention from ``position_ids`` (no
+    packed-sequence masks) lets the second row see the first and fails here.
+    """
+    if model in _KEEPS_ROWS_APART:
+        return
+    device = _model_device(model)
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    picks = (0, min(1, batch.batch_size - 1))
+    rows = [batch.input_ids[b, : min(lengths[b], probe_tokens)].to(device) for b in picks]
+    alone = [model(input_ids=row.unsqueeze(0), use_cache=False).logits[0] for row in rows]
+    positions = torch.cat([torch.arange(row.numel(), device=device) for row in rows])
+    together = model(
+        input_ids=torch.cat(rows).unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
+        use_cache=False,  # with a cache, transformers builds no packed-sequence mask
+    ).logits[0]
+    gap = float((together.double() - torch.cat(alone).double()).abs().max())
+    precise = together.dtype in (torch.float32, torch.float64)
+    tolerance = 1e-4 if precise else 5e-2
+    if not gap <= tolerance:
+        raise PaddingFreeError(
+            f"actor.padding_free=true: {type(model).__name__} lets rows laid end to end see "
+            f"each other (logits differ from each row alone by {gap:.3g} > {tolerance:g}): "
+            "set actor.padding_free=false"
+        )
+    _KEEPS_ROWS_APART.add(model)
 
 
 def _check_per_token(batch: PackedBatch, tensors: dict[str, Tensor]) -> None:

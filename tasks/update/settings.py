@@ -55,6 +55,7 @@ def actor_settings(
         max_grad_norm=opt.max_grad_norm,
         temperature=cfg.rollout.temperature or 1.0,
         max_tokens_per_micro_batch=opt.max_tokens_per_micro_batch,
+        padding_free=opt.padding_free,
         shuffle_seed=None,
         rollout_correction=plan.rollout_correction,
         correction_cap=correction.cap,

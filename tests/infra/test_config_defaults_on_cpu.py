@@ -48,6 +48,7 @@ CHANGED = [
     "actor.cispo_clip_high=4.0",
     "actor.sapo_tau_pos=0.5",
     "actor.sapo_tau_neg=2.0",
+    "actor.padding_free=true",
     "warmstart.sft_steps=11",
     "warmstart.sft_max_seconds=5",
     "warmstart.rm_steps=7",
@@ -95,6 +96,7 @@ def test_actor_settings_are_the_configs_values(cfg: TrainConfig) -> None:
         "mini_batch_size": opt.mini_batch_size,
         "micro_batch_size": opt.micro_batch_size,
         "max_tokens_per_micro_batch": opt.max_tokens_per_micro_batch,
+        "padding_free": opt.padding_free,
         "policy": {
             "policy_loss": opt.policy_loss,
             "clip_low": opt.clip_low,

@@ -62,6 +62,7 @@ for run in job["runs"]:
         mini_batch_size=B // world,
         micro_batch_size=max(B // world // 2, 1),
         max_tokens_per_micro_batch=None,
+        padding_free=False,
         policy=PolicyLossSettings(
             policy_loss="ppo",
             clip_low=0.2,

@@ -125,6 +125,7 @@ def actor_settings(agg: str, micro: int, mini: int = 8, **extra: Any) -> ActorUp
         "mini_batch_size": mini,
         "micro_batch_size": micro,
         "max_tokens_per_micro_batch": None,
+        "padding_free": False,
         "agg": agg,
         "entropy_coef": 0.01,
         "kl_loss_coef": 0.1,
