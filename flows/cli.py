@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from infra.text import error_text, one_line
+
 if TYPE_CHECKING:
     from infra.config import TrainConfig
 
@@ -51,10 +53,6 @@ def _quiet_defaults() -> None:
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }.items():
         os.environ.setdefault(key, value)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _preflight(cfg: TrainConfig) -> None:
@@ -92,7 +90,7 @@ def _config(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config or MAIN_JOB, args.overrides)
     except (ConfigError, ValueError, OSError) as exc:
-        print(f"ppoflow: {_one_line(exc)}", file=sys.stderr)
+        print(f"ppoflow: {error_text(exc)}", file=sys.stderr)
         return 2
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
     return 0
@@ -107,7 +105,7 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config or MAIN_JOB, args.overrides)
         _preflight(cfg)
     except (ConfigError, ValueError, OSError) as exc:
-        print(f"ppoflow: {_one_line(exc)}", file=sys.stderr)
+        print(f"ppoflow: {error_text(exc)}", file=sys.stderr)
         return 2
     try:
         with stopping.signals(cfg.trainer.stop_grace_s):
@@ -133,13 +131,13 @@ def _run(cfg: TrainConfig) -> int:
             return 1
     if not state.is_completed():
         print(
-            f"ppoflow: run failed: {_one_line(Exception(state.message or state.name))}",
+            f"ppoflow: run failed: {one_line(state.message or '') or state.name}",
             file=sys.stderr,
         )
         try:
             state.result()
         except Exception as exc:  # noqa: BLE001 - the run's own error, named in one line
-            print(f"ppoflow: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+            print(f"ppoflow: {type(exc).__name__}: {error_text(exc)}", file=sys.stderr)
         return 1
     print(json.dumps(state.result(), indent=1))
     return 0
@@ -167,7 +165,7 @@ def _report_unrecorded(cfg: TrainConfig, exc: BaseException) -> None:
     where = f"its latest checkpoint is {latest}" if latest else "it wrote no checkpoint"
     print(
         f"ppoflow: the Prefect API ({PREFECT_API_URL.value() or 'temporary server'}) stopped "
-        f"answering ({type(exc).__name__}: {_one_line(exc)}), so the run's final state is not "
+        f"answering ({type(exc).__name__}: {error_text(exc)}), so the run's final state is not "
         f"recorded there; {where}; run the same command again to resume from it "
         "(trainer.resume=auto)",
         file=sys.stderr,

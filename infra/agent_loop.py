@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from infra.engines.base import GenerationEngine
+from infra.text import first_line
 from infra.tools import ToolCall, ToolResult
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ def parse_declared_calls(
     except Exception as exc:  # noqa: BLE001 - the parser's own error, whatever its type
         if not (form or tool_call_format(tokenizer)).closed(text):
             return []
-        return [ToolResult(f"error: the tool call does not parse ({_first_line(exc)})", True)]
+        return [ToolResult(f"error: the tool call does not parse ({first_line(exc)})", True)]
     calls = message.get("tool_calls") if isinstance(message, dict) else None
     out: list[ToolCall | ToolResult] = []
     for item in calls if isinstance(calls, list) else []:
@@ -302,7 +303,7 @@ def check_tool_template(tokenizer: Tokenizer, tools: list[dict[str, Any]]) -> No
             raise
         except Exception as exc:  # a template's own error (an unknown role, a raise_exception)
             raise AgentTemplateError(
-                f"the chat template fails on a tool turn ({_first_line(exc)}); use a template "
+                f"the chat template fails on a tool turn ({first_line(exc)}); use a template "
                 "with a `tool` role (Hermes/ChatML or Qwen3 style) for rollout.tools"
             ) from None
     if tool_call_format(tokenizer).declared:
@@ -311,12 +312,8 @@ def check_tool_template(tokenizer: Tokenizer, tools: list[dict[str, Any]]) -> No
         except Exception as exc:  # noqa: BLE001 - transformers' own error for the template
             raise AgentTemplateError(
                 f"the tokenizer's response_template does not parse an answer "
-                f"({_first_line(exc)}); fix its response_template or remove it (Hermes calls)"
+                f"({first_line(exc)}); fix its response_template or remove it (Hermes calls)"
             ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def final_answer(messages: list[dict[str, Any]]) -> str:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from infra.text import error_text, one_line
+
 if TYPE_CHECKING:
     from jinja2 import Template
 
@@ -116,11 +118,6 @@ def _rebuild_parse_error(message: str, label: str, key: str) -> JudgeParseError:
     return JudgeParseError(message, label=label, key=key)
 
 
-def _one_line(text: str, limit: int = 160) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
 # --- the template ------------------------------------------------------------------------------
 
 
@@ -149,7 +146,7 @@ def compile_template(source: str) -> Template:
         return env.from_string(source)
     except TemplateError as exc:
         raise JudgeTemplateError(
-            f"{TEMPLATE_SETTING}: the template does not compile: {_one_line(str(exc))}"
+            f"{TEMPLATE_SETTING}: the template does not compile: {one_line(str(exc), 160)}"
         ) from None
 
 
@@ -161,7 +158,7 @@ def render_template(template: Template, variables: dict[str, Any]) -> str:
         return template.render(**variables)
     except TemplateError as exc:
         raise JudgeTemplateError(
-            f"{TEMPLATE_SETTING}: rendering failed: {_one_line(str(exc))} (the variables are "
+            f"{TEMPLATE_SETTING}: rendering failed: {one_line(str(exc), 160)} (the variables are "
             f"{', '.join(DUMMY_VARIABLES)})"
         ) from None
 
@@ -196,7 +193,7 @@ def check_judge_tokenizer(model_path: str | Path) -> None:
     except Exception as exc:  # the template's own error, whatever its type
         raise JudgeTemplateError(
             f"models.judge={model_path}: its chat template fails on one user message "
-            f"({_one_line(str(exc)) or type(exc).__name__}); {fix}"
+            f"({error_text(exc, 160)}); {fix}"
         ) from None
 
 
@@ -272,7 +269,7 @@ def judge_scores(
         except Exception as exc:
             raise JudgeParseError(
                 f"judge parse function {label} raised on sample {key!r} (verdict "
-                f"{_one_line(repr(verdict), 80)}): {type(exc).__name__}: {_one_line(str(exc))}; "
+                f"{one_line(repr(verdict), 80)}): {type(exc).__name__}: {one_line(str(exc), 160)}; "
                 "nothing of this batch was written",
                 label=label,
                 key=key,
@@ -284,7 +281,7 @@ def judge_scores(
         number = as_finite(value)
         if number is None:
             raise JudgeParseError(
-                f"judge parse function {label} returned {_one_line(repr(value), 80)} on sample "
+                f"judge parse function {label} returned {one_line(repr(value), 80)} on sample "
                 f"{key!r}: return a finite number, or None when the verdict does not parse; "
                 "nothing of this batch was written",
                 label=label,

@@ -40,6 +40,7 @@ from infra.bounded_calls import (
     kill_executor,
     spawn_executor,
 )
+from infra.text import one_line
 
 __all__ = [
     "BUILTIN_FUNCTIONS",
@@ -150,13 +151,8 @@ def _rebuild_error(message: str, kind: ErrorKind, label: str, key: str) -> Rewar
     return RewardFunctionError(message, kind=kind, label=label, key=key)
 
 
-def _one_line(text: str, limit: int = 200) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
 def _short_repr(value: Any) -> str:
-    return _one_line(repr(value), _REPR_CHARS)
+    return one_line(repr(value), _REPR_CHARS)
 
 
 # --- loading -----------------------------------------------------------------------------
@@ -206,7 +202,7 @@ def _import_file(path: str, where: str) -> ModuleType:
     except (Exception, SystemExit) as exc:
         del sys.modules[module_name]
         raise RewardFunctionLoadError(
-            f"{where}: importing {resolved} failed: {type(exc).__name__}: {_one_line(str(exc))}"
+            f"{where}: importing {resolved} failed: {type(exc).__name__}: {one_line(str(exc), 200)}"
         ) from exc
     return module
 
@@ -226,7 +222,7 @@ def _import_module(path: str, where: str) -> ModuleType:
     except (Exception, SystemExit) as exc:
         raise RewardFunctionLoadError(
             f"{where}: importing module {path!r} failed: {type(exc).__name__}: "
-            f"{_one_line(str(exc))}"
+            f"{one_line(str(exc), 200)}"
         ) from exc
 
 
@@ -270,7 +266,7 @@ def load_function(
         )
         raise RewardFunctionLoadError(
             f"{where}: {path} has no {name!r} (its callables: "
-            f"{_one_line(', '.join(defined) or 'none', 120)}); set the function's name"
+            f"{one_line(', '.join(defined) or 'none', 120)}); set the function's name"
         )
     function: object = getattr(module, name)
     if not callable(function):
@@ -412,7 +408,7 @@ def _parse_value(value: Any) -> Outcome | _Problem:
     if isinstance(value, Mapping):
         if "score" not in value:
             keys = ", ".join(sorted(map(str, value))) or "none"
-            return _Problem("no_score", f"a dict with keys: {_one_line(keys, _REPR_CHARS)}")
+            return _Problem("no_score", f"a dict with keys: {one_line(keys, _REPR_CHARS)}")
         score = as_finite(value["score"])
         if score is None:
             return _Problem("bad_value", f"score {_short_repr(value['score'])}")
@@ -429,7 +425,7 @@ def _call_one(function: RewardFn, sample: RewardSample, state: _WorkerState) -> 
     except CallTimeout:
         return _Problem("timeout", f"no result in {state.timeout_s:g} s")
     except BaseException as exc:
-        return _Problem("raised", f"{type(exc).__name__}: {_one_line(str(exc))}")
+        return _Problem("raised", f"{type(exc).__name__}: {one_line(str(exc), 200)}")
     return _parse_value(value)
 
 
@@ -524,7 +520,7 @@ class RewardFunctionPool(PoolOwner):
             readies = [f.result() for f in futures if f in done]
         except Exception as exc:
             self._kill()
-            raise self._start_error(f"{type(exc).__name__}: {_one_line(str(exc))}") from exc
+            raise self._start_error(f"{type(exc).__name__}: {one_line(str(exc), 200)}") from exc
         if len(readies) < len(futures):
             self._kill()
             raise self._start_error(f"not all started within {_START_TIMEOUT_S:g} s")

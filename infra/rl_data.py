@@ -26,6 +26,8 @@ import pyarrow.compute as pc
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 
+from infra.text import first_line
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -109,16 +111,10 @@ def _read_table(path: Path, setting: str) -> pa.Table:
         table = pq.read_table(path) if path.suffix == ".parquet" else pj.read_json(path)
     except (pa.ArrowInvalid, OSError) as err:
         kind = "Parquet" if path.suffix == ".parquet" else "JSON Lines (one object per line)"
-        raise DataError(
-            f"{path} is not readable as {kind}: {_first_line(err)} ({setting})"
-        ) from err
+        raise DataError(f"{path} is not readable as {kind}: {first_line(err)} ({setting})") from err
     if table.num_rows == 0:
         raise DataError(f"{path} has no rows; remove it from {setting} or add rows")
     return table
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _column(table: pa.Table, key: str) -> list[Any] | None:
@@ -278,6 +274,6 @@ def _prompt_ids(
     except Exception as err:  # a template error names neither the row nor the setting
         raise DataError(
             f"{row.origin or row.uid}: the chat template failed on this prompt "
-            f"({_first_line(err)}); "
+            f"({first_line(err)}); "
             "check data.prompt_key or models.tokenizer"
         ) from err

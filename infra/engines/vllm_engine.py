@@ -59,6 +59,7 @@ from infra.engines.base import (
     check_generate_args,
 )
 from infra.engines.vllm_extension import LOAD_METHOD, WORKER_EXTENSION, write_weights
+from infra.text import first_line
 
 __all__ = [
     "MISSING",
@@ -342,8 +343,7 @@ class VLLMEngine:
         except VLLMClientError:
             raise
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            self._failed = f"{what}: {type(exc).__name__}: {first}"
+            self._failed = f"{what}: {type(exc).__name__}: {first_line(exc, 200)}"
             raise
 
     def _load_file(self, path: Path) -> None:

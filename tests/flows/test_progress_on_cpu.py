@@ -198,7 +198,9 @@ def test_a_phase_inside_the_runs_bar_prints_lines_not_a_second_bar(
 ) -> None:
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     monkeypatch.setattr(RunReport, "_publish", lambda self: None)  # no Prefect API here
-    report = RunReport(tmp_path, "bar-run", 3, start_step=0, progress_bar=True)
+    report = RunReport(
+        tmp_path, "bar-run", 3, start_step=0, progress_bar=True, artifact_interval_s=0.0
+    )
     report.start(0)
     try:
         assert report.bar is not None  # the run's rich bar is live

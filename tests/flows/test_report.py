@@ -128,7 +128,13 @@ def test_alert_fires_once_per_crossing_with_the_flow_run_related(
     @flow(name="report-alerts")
     def run() -> str:
         report = RunReport(
-            tmp_path, "alert-run", 5, start_step=0, progress_bar=False, alerts=alerts
+            tmp_path,
+            "alert-run",
+            5,
+            start_step=0,
+            progress_bar=False,
+            artifact_interval_s=0.0,
+            alerts=alerts,
         )
         report.start(0)
         for step, value in enumerate(values):
@@ -172,7 +178,13 @@ def test_a_failing_tracker_is_reported_not_raised(
     @flow(name="report-broken-tracker")
     def run() -> None:
         report = RunReport(
-            tmp_path, "broken-run", 3, start_step=0, progress_bar=False, loggers=["jsonl", "broken"]
+            tmp_path,
+            "broken-run",
+            3,
+            start_step=0,
+            progress_bar=False,
+            artifact_interval_s=0.0,
+            loggers=["jsonl", "broken"],
         )
         report.start(0)
         for step in range(3):
@@ -187,4 +199,4 @@ def test_a_failing_tracker_is_reported_not_raised(
 
 def test_unknown_tracker_is_a_typed_error(tmp_path: Path) -> None:
     with pytest.raises(TrackerError, match=r"trainer\.loggers.*'tensorbord'"):
-        RunReport(tmp_path, "x", 1, start_step=0, loggers=["tensorbord"])
+        RunReport(tmp_path, "x", 1, start_step=0, artifact_interval_s=0.0, loggers=["tensorbord"])
