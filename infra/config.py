@@ -397,6 +397,15 @@ class RewardConfig(_Section):
         description="'colocated': the RM shares the training pool and wakes in turn; 'own': the RM gets its own pool.",
     )
     batch_size: int = Field(64, ge=1, description="Scoring batch size.")
+    max_tokens_per_batch: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Token budget of a reward-model batch (rows x its longest row): samples sorted by "
+            "length, longest first, cut into batches of at most this many padded tokens and "
+            "batch_size rows (None = batch_size rows); a sample longer than it is a batch alone."
+        ),
+    )
     max_length: int | None = Field(
         None, ge=1, description="RM input cap after re-tokenisation (None = model max)."
     )

@@ -107,8 +107,10 @@ class RewardScorer:
     engines (every member wakes and sleeps with it).
 
     ``model_path`` is one folder or a sequence of them (the ensemble's members, in order).
-    ``max_length`` defaults to each model's ``max_position_embeddings``. Rows are scored in
-    batches of ``batch_size`` (longest first, to pad little); outputs keep the input order.
+    ``max_length`` defaults to each model's ``max_position_embeddings``. Rows are scored longest
+    first, in batches of at most ``batch_size`` rows and, with ``max_tokens_per_batch``, at
+    most that many padded tokens (rows × the batch's longest row); outputs keep the input
+    order.
     ``model``, ``tokenizer``, ``same_tokenizer`` and ``max_length`` are the first member's.
     """
 
@@ -120,10 +122,16 @@ class RewardScorer:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         batch_size: int = 64,
+        max_tokens_per_batch: int | None = None,
         max_length: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
+            raise ValueError(
+                f"max_tokens_per_batch must be >= 1 or None (reward.max_tokens_per_batch), got "
+                f"{max_tokens_per_batch}"
+            )
         paths = reward_model_paths(model_path)
         if not paths:
             raise ValueError("RewardScorer needs at least one reward-model folder")
@@ -142,6 +150,7 @@ class RewardScorer:
             for path in paths
         ]
         self.batch_size = batch_size
+        self.max_tokens_per_batch = max_tokens_per_batch
 
     @property
     def model(self) -> PreTrainedModel:
@@ -247,11 +256,26 @@ class RewardScorer:
                 )
         # 3. Score in batches, longest first; scatter back to the input order.
         scores = torch.empty(len(rows), dtype=torch.float32)  # (B,)
-        order = sorted(range(len(rows)), key=lambda i: -rows[i].numel())
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
+        for chunk in self.batches([row.numel() for row in rows]):
             scores[chunk] = self._score_batch(member, [rows[i] for i in chunk])
         return scores, truncated
+
+    def batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Row indices of each scoring batch: longest first (ties in row order), a batch cut
+        at ``batch_size`` rows or, with ``max_tokens_per_batch``, before its rows × its first
+        (longest) row would pass that budget."""
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        budget = self.max_tokens_per_batch
+        chunks: list[list[int]] = []
+        for index in order:
+            full = chunks and (
+                len(chunks[-1]) >= self.batch_size
+                or (budget is not None and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] > budget)
+            )
+            if not chunks or full:
+                chunks.append([])
+            chunks[-1].append(index)
+        return chunks
 
     def render(self, raw_prompt: Any, response_ids: Tensor, *, member: int = 0) -> Tensor:
         """Re-tokenise one sample for member ``member``: its chat template over the conversation

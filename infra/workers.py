@@ -224,6 +224,7 @@ class ModelWorker:
             device=str(self.device),
             dtype=self.dtype,
             batch_size=self.cfg.reward.batch_size,
+            max_tokens_per_batch=self.cfg.reward.max_tokens_per_batch,
             max_length=self.cfg.reward.max_length,
         )
         self.group.register("reward", self.scorer)

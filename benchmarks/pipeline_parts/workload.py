@@ -42,6 +42,7 @@ class VarlenWork:
     eos_prob: float = 0.01
     n_positions: int = 512
     token_budget: int = 4096  # ppoflow's actor/logprobs max_tokens_per_micro_batch
+    reward_token_budget: int = 1024  # ppoflow's reward.max_tokens_per_batch
     max_prompt_length: int = 64
     prompt_rows: int = 512
     lr: float = 1e-4
@@ -279,7 +280,8 @@ def _varlen_overrides(work: Path) -> list[str]:
     """``grpo-varlen``: the EOS-biased policy, the shared prompt file in file order, responses
     up to ``VARLEN.max_new_tokens`` ending at EOS, groups of ``VARLEN.group_size``, one
     optimizer step per batch, token-budget micro-batches for the update and forward passes, the
-    update's rows laid end to end without padding (``actor.padding_free``)."""
+    update's rows laid end to end without padding (``actor.padding_free``), reward-model
+    batches under a token budget of their own (``reward.max_tokens_per_batch``)."""
     root = work / "varlen"
     v = VARLEN
     optim = [
@@ -308,6 +310,7 @@ def _varlen_overrides(work: Path) -> list[str]:
         *[f"actor.{o}" for o in optim],
         "actor.padding_free=true",
         f"logprobs.max_tokens_per_micro_batch={v.token_budget}",
+        f"reward.max_tokens_per_batch={v.reward_token_budget}",
     ]
 
 
@@ -331,6 +334,7 @@ MODES = {
     f"{VARLEN.group_size}), responses ending at EOS (P(EOS) ~ {VARLEN.eos_prob} per token set in "
     f"the saved policy, at most {VARLEN.max_new_tokens} tokens, temperature 1, top_p 1), the same "
     "prompt file in file order; ppoflow algorithm.estimator=grpo with token-budget micro-batches "
-    f"({VARLEN.token_budget} tokens), the update's rows end to end without padding; TRL GRPOTrainer with the reward model, beta 0; each run "
+    f"({VARLEN.token_budget} tokens), the update's rows end to end without padding, reward-model "
+    f"batches of at most {VARLEN.reward_token_budget} padded tokens; TRL GRPOTrainer with the reward model, beta 0; each run "
     "alone (ppoflow flow@all and flow-async, TRL at all threads and at --threads)",
 }

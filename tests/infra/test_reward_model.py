@@ -86,6 +86,29 @@ def test_scores_do_not_depend_on_batching_or_padding(tiny_assets, batch):
     )
 
 
+def test_a_token_budget_cuts_batches_longest_first_and_keeps_the_scores(tiny_assets, batch):
+    budgeted = RewardScorer(
+        tiny_assets.reward_model,
+        policy_tokenizer_path=tiny_assets.tokenizer,
+        batch_size=64,
+        max_tokens_per_batch=30,
+    )
+    # lengths 12, 3, 9, 9, 2: batches (12, 9 | 9, 3, 2) under 30 padded tokens; 64 rows at most
+    assert budgeted.batches([12, 3, 9, 9, 2]) == [[0, 2], [3, 1, 4]]
+    assert budgeted.batches([40, 5]) == [[0], [1]]  # a row over the budget is a batch alone
+    whole = RewardScorer(
+        tiny_assets.reward_model, policy_tokenizer_path=tiny_assets.tokenizer, batch_size=64
+    )
+    assert whole.batches([12, 3, 9, 9, 2]) == [[0, 2, 3, 1, 4]]
+    lengths = [
+        int(p.numel() + r.numel()) for p, r in zip(batch["prompt_ids"], batch["response_ids"])
+    ]
+    assert len(budgeted.batches(lengths)) > 1
+    torch.testing.assert_close(
+        budgeted.score(**batch).scores, whole.score(**batch).scores, atol=1e-5, rtol=0
+    )
+
+
 def test_empty_responses_score_the_prompt_alone(tiny_assets, batch):
     scorer = RewardScorer(tiny_assets.reward_model, policy_tokenizer_path=tiny_assets.tokenizer)
     empty = {**batch, "response_ids": [torch.zeros(0, dtype=torch.long) for _ in CASES]}
