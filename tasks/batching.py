@@ -9,6 +9,7 @@ Shapes: B rows, L packed length (max prompt + response), T max response length, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -368,20 +369,17 @@ def end_to_end_micro_batches(
     micro-batch, so a micro-batch costs about its real tokens, not its rows × its longest row.
     With `count` (from that many up to B): the micro-batch of the most tokens halved (every
     second of its rows, longest first) until there are `count`."""
+    sizes = lengths.detach().cpu().tolist()
+
+    def halve(rows: list[int]) -> list[list[int]]:
+        longest_first = sorted(rows, key=lambda row: (-sizes[row], row))
+        return [sorted(longest_first[0::2]), sorted(longest_first[1::2])]
+
+    def tokens(rows: list[int]) -> int:
+        return int(sum(sizes[row] for row in rows))
+
     groups = _end_to_end_groups(lengths, budget)
-    if count is not None:
-        if not len(groups) <= count <= len(lengths):
-            raise ValueError(
-                f"count={count} micro-batches is outside [{len(groups)}, {len(lengths)}]: at "
-                f"least the fewest packing under budget {budget}, at most one per row"
-            )
-        sizes = lengths.detach().cpu().tolist()
-        while len(groups) < count:
-            costs = [sum(sizes[row] for row in g) if len(g) > 1 else -1 for g in groups]
-            at = costs.index(max(costs))
-            rows = sorted(groups[at], key=lambda row: (-sizes[row], row))
-            groups[at : at + 1] = [sorted(rows[0::2]), sorted(rows[1::2])]
-    return [torch.tensor(g, dtype=torch.long) for g in groups]
+    return _split_to_count(groups, budget, count, cost=tokens, halve=halve)
 
 
 def count_token_micro_batches(lengths: Tensor, budget: int) -> int:
@@ -403,17 +401,39 @@ def token_micro_batches(lengths: Tensor, budget: int, count: int | None = None) 
     only lowers costs, so the budget still holds. Rows are sorted by length, longest first,
     within and across micro-batches.
     """
+    sizes = lengths.detach().cpu().tolist()
+
+    def halve(rows: list[int]) -> list[list[int]]:
+        half = (len(rows) + 1) // 2
+        return [rows[:half], rows[half:]]
+
+    def padded(rows: list[int]) -> int:
+        return len(rows) * int(sizes[rows[0]])
+
     groups = _greedy_groups(lengths, budget)
+    return _split_to_count(groups, budget, count, cost=padded, halve=halve)
+
+
+def _split_to_count(
+    groups: list[list[int]],
+    budget: int,
+    count: int | None,
+    *,
+    cost: Callable[[list[int]], int],
+    halve: Callable[[list[int]], list[list[int]]],
+) -> list[Tensor]:
+    """The groups as long tensors; with `count` (from len(groups) up to the rows), the group of
+    more than one row with the highest `cost` (the first on ties) replaced by its `halve` until
+    there are `count`."""
+    rows = sum(len(group) for group in groups)
     if count is not None:
-        if not len(groups) <= count <= len(lengths):
+        if not len(groups) <= count <= rows:
             raise ValueError(
-                f"count={count} micro-batches is outside [{len(groups)}, {len(lengths)}]: at "
+                f"count={count} micro-batches is outside [{len(groups)}, {rows}]: at "
                 f"least the fewest packing under budget {budget}, at most one per row"
             )
-        sizes = lengths.detach().cpu().tolist()
         while len(groups) < count:
-            costs = [len(g) * int(sizes[g[0]]) if len(g) > 1 else -1 for g in groups]
+            costs = [cost(group) if len(group) > 1 else -1 for group in groups]
             at = costs.index(max(costs))
-            half = (len(groups[at]) + 1) // 2
-            groups[at : at + 1] = [groups[at][:half], groups[at][half:]]
-    return [torch.tensor(g, dtype=torch.long) for g in groups]
+            groups[at : at + 1] = halve(groups[at])
+    return [torch.tensor(group, dtype=torch.long) for group in groups]
