@@ -324,6 +324,23 @@ def _forward_logits(model: nn.Module, mb: PackedBatch) -> Tensor:
     return logits
 
 
+def _response_logits(
+    model: nn.Module, mb: PackedBatch, cfg: ActorUpdateSettings, width: int | None
+) -> Tensor:
+    """(b, T, V) logits / temperature predicting each response token: a forward of the padded
+    rows, or with ``cfg.padding_free`` of the rows laid end to end in bins ``width`` wide."""
+    if not cfg.padding_free:
+        logits = _forward_logits(model, mb)  # (b, L, V)
+        return gather_response_logits(logits=logits, batch=mb, temperature=cfg.temperature)
+    layout = end_to_end(mb, width)
+    logits = model(
+        input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
+    ).logits  # (n, W, V)
+    return gather_response_logits(
+        logits=logits, batch=mb, temperature=cfg.temperature, layout=layout
+    )
+
+
 def _actor_micro_step(
     *,
     model: nn.Module,
@@ -335,21 +352,19 @@ def _actor_micro_step(
     width: int | None = None,
 ) -> dict[str, float]:
     """Forward + backward of one micro-batch; returns its (already normalised) loss parts.
-    ``width`` (with ``cfg.padding_free``): the bins' width, the mini-batch's longest row."""
-    if cfg.padding_free:
-        layout = end_to_end(mb, width)
-        logits = model(
-            input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
-        ).logits  # (n, W, V)
-        mb_logits = gather_response_logits(
-            logits=logits, batch=mb, temperature=cfg.temperature, layout=layout
-        )  # (b, T, V)
-    else:
-        logits = _forward_logits(model, mb)  # (b, L, V)
-        mb_logits = gather_response_logits(logits=logits, batch=mb, temperature=cfg.temperature)
+    ``width`` (with ``cfg.padding_free``): the bins' width, the mini-batch's longest row.
+
+    1. Response logits, log-probs and entropy of the current policy.
+    2. π_old: the given old log-probs, or (one on-policy step) these log-probs detached.
+    3. The off-policy correction's mask and weights (`_correct`).
+    4. The policy loss, plus the distillation term; backward; the tallies.
+    """
+    # 1.
+    mb_logits = _response_logits(model, mb, cfg, width)  # (b, T, V)
     logprobs = logprobs_from_response_logits(response_logits=mb_logits, batch=mb)  # (b, T)
     with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.entropy_coef != 0.0):
         entropy = entropy_from_logits(logits=mb_logits)  # (b, T)
+    # 2.
     token_means: dict[str, float] = {}
     old_logprobs = mb_tensors.get("old_logprobs")
     if old_logprobs is None:  # one on-policy step: the weights have not moved yet
@@ -358,6 +373,7 @@ def _actor_micro_step(
             ref = mb_tensors["ref_logprobs"]
             kl = kl_penalty(logprobs=old_logprobs, ref_logprobs=ref, kind="k1")  # (b, T)
             token_means["actor/kl_to_ref"] = float(kl[mb.response_mask].mean().nan_to_num())
+    # 3.
     loss_mask, is_weights = _correct(
         mb_tensors,
         logprobs=logprobs,
@@ -367,6 +383,7 @@ def _actor_micro_step(
         tally=tally,
         token_means=token_means,
     )
+    # 4.
     if cfg.distill_loss_coef and "teacher_logprobs" not in mb_tensors:
         raise ValueError("distill_loss_coef is set but no teacher_logprobs were given")
     out = actor_loss(
