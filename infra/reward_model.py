@@ -42,6 +42,7 @@ from transformers import (
 
 from infra.engines.base import ModuleResidency
 from infra.kernels import fuse_activations
+from infra.token_budget import longest_first_groups
 
 __all__ = ["RewardScorer", "ScoreOutput", "reward_model_paths", "tokenizers_match"]
 
@@ -264,18 +265,7 @@ class RewardScorer:
         """Row indices of each scoring batch: longest first (ties in row order), a batch cut
         at ``batch_size`` rows or, with ``max_tokens_per_batch``, before its rows × its first
         (longest) row would pass that budget."""
-        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-        budget = self.max_tokens_per_batch
-        chunks: list[list[int]] = []
-        for index in order:
-            full = chunks and (
-                len(chunks[-1]) >= self.batch_size
-                or (budget is not None and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] > budget)
-            )
-            if not chunks or full:
-                chunks.append([])
-            chunks[-1].append(index)
-        return chunks
+        return longest_first_groups(lengths, self.max_tokens_per_batch, self.batch_size)
 
     def render(self, raw_prompt: Any, response_ids: Tensor, *, member: int = 0) -> Tensor:
         """Re-tokenise one sample for member ``member``: its chat template over the conversation

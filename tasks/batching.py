@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from infra.token_budget import longest_first_groups
 from tasks.masks import lengths_to_mask
 
 __all__ = [
@@ -237,22 +238,13 @@ def unpad(tensor: Tensor, lengths: Tensor) -> list[Tensor]:
 def _greedy_groups(lengths: Tensor, budget: int) -> list[list[int]]:
     """Rows sorted by length (longest first, ties in row order), cut into runs that each hold
     as many rows as fit: a run that starts at a row of length n holds up to budget // n rows
-    (at least that one row), since its first row is its longest."""
+    (at least that one row), since its first row is its longest
+    (`infra.token_budget.longest_first_groups`)."""
     if budget < 1:
         raise ValueError(f"the token budget must be ≥ 1, got {budget}")
     if lengths.dim() != 1:
         raise ValueError(f"lengths must be 1-D (B,), got shape {tuple(lengths.shape)}")
-    order = torch.sort(lengths.detach().cpu(), descending=True, stable=True).indices  # (B,)
-    sizes = lengths.detach().cpu()[order].tolist()
-    index = order.tolist()
-    groups: list[list[int]] = []
-    start = 0
-    while start < len(index):
-        longest = int(sizes[start])
-        take = len(index) - start if longest <= 0 else max(budget // longest, 1)
-        groups.append(index[start : start + take])
-        start += take
-    return groups
+    return longest_first_groups(lengths.detach().cpu().tolist(), budget)
 
 
 @dataclass(frozen=True)
