@@ -2,7 +2,7 @@
 
 GPT-2-style models use ``NewGELUActivation`` ("gelu_new"): the tanh approximation of GELU as
 seven separate tensor ops. ``torch.nn.GELU(approximate="tanh")`` computes the same function in
-one fused kernel (about 3.5x faster on CPU here, equal within float32 rounding). The workers
+one fused kernel (faster on the CPU, equal within float32 rounding). The workers
 swap it in on every model they load: activations hold no parameters, so weights, checkpoints
 and ``state_dict`` names are unchanged.
 """
