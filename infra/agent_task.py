@@ -124,23 +124,6 @@ def _pairs(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     return pairs[HELDOUT_PROMPTS:], pairs[:HELDOUT_PROMPTS]
 
 
-def _write_prompts(path: Path, pairs: list[tuple[int, int]]) -> None:
-    import pyarrow as pa
-
-    from infra.data import _SCHEMA, _write_table, addition_prompt
-
-    table = pa.Table.from_pydict(
-        {
-            "uid": [f"add-{a}+{b}" for a, b in pairs],
-            "raw_prompt": [[{"role": "user", "content": addition_prompt(a, b)}] for a, b in pairs],
-            "ground_truth": [str(a + b) for a, b in pairs],
-        },
-        schema=_SCHEMA,
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_table(path, table)
-
-
 def build_agent_assets(
     root: Path, *, seed: int = 0, force: bool = False, progress: Progress | None = None
 ) -> AssetPaths:
@@ -161,6 +144,7 @@ def _build_agent_assets(
     from transformers import LlamaForCausalLM
 
     from infra.assets import AssetPaths, TinyModelSpec, _llama_config, _save_model
+    from infra.data import write_addition_prompts
     from infra.progress import Parts
 
     paths = AssetPaths.under(root)
@@ -179,9 +163,9 @@ def _build_agent_assets(
     )
     built.done()
     train, heldout = _pairs(seed)
-    _write_prompts(paths.train_data, train)
+    write_addition_prompts(paths.train_data, train)
     built.done()
-    _write_prompts(paths.heldout_data, heldout)
+    write_addition_prompts(paths.heldout_data, heldout)
     paths.manifest.write_text(json.dumps(wanted, indent=2, sort_keys=True))
     built.done()
     return paths

@@ -45,6 +45,7 @@ __all__ = [
     "read_prompt_rows",
     "read_rl_rows",
     "render_prompts",
+    "write_addition_prompts",
     "write_addition_verl",
 ]
 
@@ -87,7 +88,10 @@ def _write_table(path: Path, table: pa.Table) -> None:
     tmp.replace(path)
 
 
-def _write_rows(path: Path, pairs: list[tuple[int, int]]) -> None:
+def write_addition_prompts(path: Path, pairs: list[tuple[int, int]]) -> None:
+    """Write one prompt row per ``(a, b)`` pair (uid, chat prompt, the sum as ground truth) to
+    ``path`` in ppoflow's prompt layout; the folder is made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pydict(
         {
             "uid": [f"add-{a}+{b}" for a, b in pairs],
@@ -118,8 +122,8 @@ def make_addition_dataset(out_dir: Path, *, seed: int = 0, heldout: int = 500) -
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_path, heldout_path = out_dir / "train.parquet", out_dir / "heldout.parquet"
-    _write_rows(heldout_path, heldout_pairs)
-    _write_rows(train_path, train_pairs)
+    write_addition_prompts(heldout_path, heldout_pairs)
+    write_addition_prompts(train_path, train_pairs)
     return train_path, heldout_path
 
 

@@ -19,6 +19,8 @@ from infra.engines.base import (
     GenerationEngine,
     GenerationOutput,
     Sleepable,
+    eos_ids,
+    pad_id,
 )
 from infra.engines.vllm_engine import MISSING, VLLMUnavailableError, is_vllm_available
 
@@ -84,26 +86,17 @@ def make_engine(kind: EngineKind, model_path: str | Path, **kw: Any) -> Generati
 
 
 def pad_token_id(tokenizer: Any) -> int:
-    """The pad id; tokenizers without one (Llama-3 style) pad with EOS (padding is masked)."""
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
+    """The pad id of ``tokenizer``'s model (``base.pad_id``: its pad token, else its EOS)."""
+    return pad_id(tokenizer.pad_token_id, eos=eos_ids(tokenizer.eos_token_id))
 
 
 def stop_token_ids(tokenizer: Any, model_path: str) -> tuple[int, ...]:
     """Tokens that end a response: the tokenizer's EOS and the model's generation-config EOS
     ids (chat models end a turn with e.g. ``<|im_end|>`` or ``<|eot_id|>``)."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
     try:
         from transformers import GenerationConfig
 
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        configured = GenerationConfig.from_pretrained(model_path).eos_token_id
     except (OSError, ValueError):
-        eos = None
-    for value in [eos] if isinstance(eos, int) else list(eos or []):
-        if int(value) not in ids:
-            ids.append(int(value))
-    return tuple(ids)
+        configured = None
+    return eos_ids(tokenizer.eos_token_id, configured)

@@ -17,7 +17,7 @@ decides which tokens may be drawn. With temperature 0 (greedy) they are taken at
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -31,9 +31,31 @@ __all__ = [
     "ModuleResidency",
     "Sleepable",
     "check_generate_args",
+    "eos_ids",
     "offload_module",
     "onload_module",
+    "pad_id",
 ]
+
+
+def eos_ids(*sources: int | Sequence[int] | None) -> tuple[int, ...]:
+    """The ids that end a response: every id the sources name (one id, several, or None), in
+    order, each once."""
+    ids: list[int] = []
+    for source in sources:
+        for value in [source] if isinstance(source, int) else list(source or ()):
+            if int(value) not in ids:
+                ids.append(int(value))
+    return tuple(ids)
+
+
+def pad_id(*candidates: int | None, eos: Sequence[int]) -> int:
+    """The first candidate that is set, else the first EOS id, else 0: a pad id only fills slots
+    that are masked or cut off, so a model without one (Llama-3 style) pads with EOS."""
+    for candidate in (*candidates, *eos[:1]):
+        if candidate is not None:
+            return int(candidate)
+    return 0
 
 
 class EngineAsleepError(RuntimeError):

@@ -28,7 +28,13 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from infra.engines.base import GenerationOutput, ModuleResidency, check_generate_args
+from infra.engines.base import (
+    GenerationOutput,
+    ModuleResidency,
+    check_generate_args,
+    eos_ids,
+    pad_id,
+)
 from infra.engines.probe import trainer_probe_logprobs
 from infra.kernels import fuse_activations
 
@@ -58,8 +64,12 @@ class TransformersEngine:
         fuse_activations(model)
         torch.nn.Module.to(model, self._device)  # (transformers' wrapped .to confuses mypy)
         self.model: PreTrainedModel = torch.nn.Module.eval(model)  # (transformers' eval is untyped)
-        self.eos_token_ids: tuple[int, ...] = _resolve_eos(self.model, eos_token_id)
-        self.pad_token_id: int = _resolve_pad(self.model, pad_token_id, self.eos_token_ids)
+        if eos_token_id is None:
+            eos_token_id = _model_default(self.model, "eos_token_id")
+        self.eos_token_ids: tuple[int, ...] = eos_ids(eos_token_id)
+        self.pad_token_id: int = pad_id(
+            pad_token_id, _model_default(self.model, "pad_token_id"), eos=self.eos_token_ids
+        )
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self._device)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -339,23 +349,7 @@ def _append(buf: Tensor | None, held: Tensor, new: Tensor) -> tuple[Tensor, Tens
     return buf, buf[..., :end, :]
 
 
-def _resolve_eos(model: PreTrainedModel, eos: int | Sequence[int] | None) -> tuple[int, ...]:
-    if eos is None:
-        gen_config = getattr(model, "generation_config", None)
-        eos = getattr(gen_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
-
-
-def _resolve_pad(model: PreTrainedModel, pad: int | None, eos: tuple[int, ...]) -> int:
-    if pad is None:
-        gen_config = getattr(model, "generation_config", None)
-        pad = getattr(gen_config, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(model.config, "pad_token_id", None)
-    if pad is None:
-        pad = eos[0] if eos else 0  # only fills padded slots, which are masked or cut off
-    return int(pad)
+def _model_default(model: PreTrainedModel, name: str) -> Any:
+    """``name`` from the model's generation config, else from its config (None when neither)."""
+    value = getattr(getattr(model, "generation_config", None), name, None)
+    return getattr(model.config, name, None) if value is None else value

@@ -57,6 +57,7 @@ from infra.engines.base import (
     EngineFailedError,
     GenerationOutput,
     check_generate_args,
+    eos_ids,
 )
 from infra.engines.vllm_extension import LOAD_METHOD, WORKER_EXTENSION, write_weights
 from infra.text import first_line
@@ -234,12 +235,7 @@ class VLLMEngine:
         # The synced file holds what the engine stores; "auto" keeps the trainer's dtype.
         stored = getattr(torch, _dtype_name(dtype), None)
         self._weights_dtype = stored if isinstance(stored, torch.dtype) else None
-        if eos_token_id is None:
-            self._stop_token_ids: list[int] = []
-        elif isinstance(eos_token_id, int):
-            self._stop_token_ids = [eos_token_id]
-        else:
-            self._stop_token_ids = [int(e) for e in eos_token_id]
+        self._stop_token_ids = list(eos_ids(eos_token_id))
         self._awake = True
         self._failed: str | None = None  # what failed inside vLLM, once something has
         self._pending: list[Path | None] = [None]  # a list, so the finalizer sees updates

@@ -249,3 +249,22 @@ def test_growing_cache_layer_holds_what_transformers_layer_holds():
     ours.crop(-4), theirs.crop(-4)
     step(2, 3)
     assert ours.get_seq_length() == theirs.get_seq_length() == 5 + 70 + 1 - 4 + 2
+
+
+def test_one_rule_names_the_stop_and_pad_ids_of_every_engine(tiny_assets: AssetPaths):
+    from infra.engines import pad_token_id, stop_token_ids
+    from infra.engines.base import eos_ids, pad_id
+
+    assert eos_ids(2, [2, 7], None, (9,)) == (2, 7, 9)
+    assert eos_ids(None) == () and eos_ids(()) == ()
+    assert pad_id(None, 5, eos=(2,)) == 5
+    assert pad_id(None, eos=(2, 7)) == 2
+    assert pad_id(None, eos=()) == 0
+    # The workers' ids (from the tokenizer and the saved generation config) and the engine's
+    # own defaults (from the model) agree on a model whose files say the same.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets.tokenizer)
+    engine = TransformersEngine(tiny_assets.policy)
+    assert stop_token_ids(tokenizer, str(tiny_assets.policy))[0] == engine.eos_token_ids[0]
+    assert pad_token_id(tokenizer) == engine.pad_token_id
+    pinned = TransformersEngine(engine.model, eos_token_id=[3, 3, 4], pad_token_id=None)
+    assert pinned.eos_token_ids == (3, 4)
