@@ -14,6 +14,7 @@ write ``loss_mask``, ``messages``, ``num_turns``, ``tool_calls``, ``tool_errors`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -22,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.agent_loop import run_agent_loop
 from infra.data import PromptRow, chat_prompt_ids
+from infra.engines import GenerationEngine
 from infra.tools import ToolPool, tool_schemas
 from infra.workers import ModelWorker
 from storage import BatchMeta
@@ -34,15 +36,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 READS = ("prompt_ids",)
+AGENT_READS = ("prompt_ids", "raw_prompt")
 WRITES = ("response_ids", "rollout_logprobs", "group_ids", "rollout_version")
-AGENT_WRITES = (
-    "loss_mask",
-    "messages",
-    "num_turns",
-    "tool_calls",
-    "tool_errors",
-    "truncated_tool_responses",
-)
+AGENT_COUNTS = ("num_turns", "tool_calls", "tool_errors", "truncated_tool_responses")
+AGENT_WRITES = ("loss_mask", "messages", *AGENT_COUNTS)
 
 
 def sample_keys(uids: list[str], n: int) -> list[str]:
@@ -111,33 +108,89 @@ def generate_rows(
     first_group: int,
     temperature: float | None = None,
 ) -> int:
-    """Worker side: read my prompts → ``n`` samples each → write my samples' rows. Prompt i of
-    the shard is group ``first_group + i``. Returns the policy version that generated them."""
+    """Worker side: read my prompts → ``n`` samples each (one engine call, or the agent loop for
+    multi-turn rollouts) → write my samples' rows. Prompt i of the shard is group
+    ``first_group + i``. ``temperature`` overrides the rollout's (validation), and then no
+    minimum length applies. Returns the policy version that generated them."""
     cfg = worker.cfg.rollout
-    if cfg.multi_turn:
-        return agent_rows(
-            worker, prompts, n=n, seed=seed, first_group=first_group, temperature=temperature
-        )
-    prompt_ids = worker.read(prompts, READS)["prompt_ids"]
-    with worker.awake("rollout") as engine:
-        out = engine.generate(
-            rows(prompt_ids),
-            n=n,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature if temperature is None else temperature,
-            top_p=cfg.top_p,
-            seed=seed,
-            min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
-        )
-    worker.write(
-        sample_meta(prompts, n),
-        {
-            "response_ids": nested(out.response_ids),
-            "rollout_logprobs": nested(out.rollout_logprobs),
-            **_provenance(worker, len(prompts.keys), n=n, first_group=first_group),
-        },
+    sampling = Sampling(
+        n=n,
+        seed=seed,
+        temperature=cfg.temperature if temperature is None else temperature,
+        min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
     )
+    sample = _agent_samples if cfg.multi_turn else _single_turn_samples
+    data = worker.read(prompts, AGENT_READS if cfg.multi_turn else READS)
+    with worker.awake("rollout") as engine:
+        columns = sample(worker, engine, data, sampling)
+    provenance = _provenance(worker, len(prompts.keys), n=n, first_group=first_group)
+    worker.write(sample_meta(prompts, n), {**columns, **provenance})
     return worker.version
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one generate call samples: ``n`` per prompt, the call's seed, its temperature and
+    minimum response length."""
+
+    n: int
+    seed: int
+    temperature: float
+    min_new_tokens: int
+
+
+def _single_turn_samples(
+    worker: ModelWorker, engine: GenerationEngine, data: dict[str, Any], sampling: Sampling
+) -> dict[str, Any]:
+    """One ``generate`` call: the responses and their log-probs."""
+    cfg = worker.cfg.rollout
+    out = engine.generate(
+        rows(data["prompt_ids"]),
+        n=sampling.n,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=cfg.top_p,
+        seed=sampling.seed,
+        min_new_tokens=sampling.min_new_tokens,
+    )
+    return {
+        "response_ids": nested(out.response_ids),
+        "rollout_logprobs": nested(out.rollout_logprobs),
+    }
+
+
+def _agent_samples(
+    worker: ModelWorker, engine: GenerationEngine, data: dict[str, Any], sampling: Sampling
+) -> dict[str, Any]:
+    """The agent loop: one row per trajectory, with its loss mask, messages and tool counts."""
+    cfg = worker.cfg.rollout
+    out = run_agent_loop(
+        engine,
+        worker.tokenizer,
+        prompt_ids=rows(data["prompt_ids"]),
+        raw_prompts=list(data["raw_prompt"]),
+        n=sampling.n,
+        seed=sampling.seed,
+        rollout=cfg,
+        temperature=sampling.temperature,
+        min_new_tokens=sampling.min_new_tokens,
+        tools=tool_pool(worker),
+        tool_schemas=tool_schemas(cfg.tools),
+        eos_token_ids=worker.eos_ids,
+    )
+
+    def ints(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(t, name) for t in out], dtype=torch.int64)  # (P * n,)
+
+    return {
+        "response_ids": nested([torch.tensor(t.response_ids, dtype=torch.int64) for t in out]),
+        "rollout_logprobs": nested(
+            [torch.tensor(t.rollout_logprobs, dtype=torch.float32) for t in out]
+        ),
+        "loss_mask": nested([torch.tensor(t.loss_mask, dtype=torch.bool) for t in out]),
+        "messages": [t.messages for t in out],
+        **{name: ints(name) for name in AGENT_COUNTS},
+    }
 
 
 def _provenance(
@@ -159,56 +212,6 @@ def tool_pool(worker: ModelWorker) -> ToolPool:
         "tool-pool",
         lambda: ToolPool(cfg.tools, workers=cfg.tool_workers, timeout_s=cfg.tool_timeout_s),
     )
-
-
-def agent_rows(
-    worker: ModelWorker,
-    prompts: BatchMeta,
-    *,
-    n: int,
-    seed: int,
-    first_group: int,
-    temperature: float | None = None,
-) -> int:
-    """``generate_rows`` for multi-turn rollouts: the agent loop, one row per trajectory."""
-    cfg = worker.cfg.rollout
-    data = worker.read(prompts, ("prompt_ids", "raw_prompt"))
-    with worker.awake("rollout") as engine:
-        out = run_agent_loop(
-            engine,
-            worker.tokenizer,
-            prompt_ids=rows(data["prompt_ids"]),
-            raw_prompts=list(data["raw_prompt"]),
-            n=n,
-            seed=seed,
-            rollout=cfg,
-            temperature=cfg.temperature if temperature is None else temperature,
-            min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
-            tools=tool_pool(worker),
-            tool_schemas=tool_schemas(cfg.tools),
-            eos_token_ids=worker.eos_ids,
-        )
-
-    def ints(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(t, name) for t in out], dtype=torch.int64)  # (P * n,)
-
-    worker.write(
-        sample_meta(prompts, n),
-        {
-            "response_ids": nested([torch.tensor(t.response_ids, dtype=torch.int64) for t in out]),
-            "rollout_logprobs": nested(
-                [torch.tensor(t.rollout_logprobs, dtype=torch.float32) for t in out]
-            ),
-            "loss_mask": nested([torch.tensor(t.loss_mask, dtype=torch.bool) for t in out]),
-            "messages": [t.messages for t in out],
-            "num_turns": ints("num_turns"),
-            "tool_calls": ints("tool_calls"),
-            "tool_errors": ints("tool_errors"),
-            "truncated_tool_responses": ints("truncated_tool_responses"),
-            **_provenance(worker, len(prompts.keys), n=n, first_group=first_group),
-        },
-    )
-    return worker.version
 
 
 def generate_partition(
