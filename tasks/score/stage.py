@@ -118,16 +118,22 @@ def score_rows(
     judge: bool = False,
     teacher: bool = False,
 ) -> ShardScores:
-    """Worker side: read my samples → reward model (if held and ``model``), the distillation
-    teacher's log-probs (if ``teacher``), judge verdicts (if ``judge``), rule, decoding → write
-    my ``rm_scores`` and ``teacher_logprobs``; raises NonFiniteScoreError, writing nothing, on a
-    NaN/inf score."""
+    """Worker side: score my samples; raises NonFiniteScoreError, writing nothing, on a NaN/inf
+    reward-model score.
+
+    1. Read what the asked parts need; measure lengths and truncation.
+    2. The reward model (if held and ``model``) → write ``rm_scores``.
+    3. The distillation teacher's log-probs (if ``teacher``) → write ``teacher_logprobs``.
+    4. Decode the responses (a conversation's final answer) for the judge's verdicts (if
+       ``judge``), the rule (if ``rule``) and the reward functions' texts (if ``texts``).
+    """
     model = model and worker.has("reward")
     if judge and not worker.has("judge"):
         raise ValueError(
             f"the judge was asked to score but worker {worker.spec.rank} (roles "
             f"{', '.join(worker.spec.roles)}) holds none"
         )
+    # 1.
     names = (
         ("prompt_ids", "response_ids")
         + (("raw_prompt",) if model or judge else ())
@@ -136,50 +142,23 @@ def score_rows(
     )
     data = worker.read(shard, names)
     responses = rows(data["response_ids"])
-    n = lengths(data["response_ids"])
     cut = truncated_rows(
         response_ids=responses,
         eos_ids=worker.eos_ids,
         max_new_tokens=worker.cfg.rollout.max_new_tokens,
     )  # (B,)
-    out = ShardScores(response_lengths=n.tolist(), response_truncated=cut.tolist())
+    out = ShardScores(
+        response_lengths=lengths(data["response_ids"]).tolist(), response_truncated=cut.tolist()
+    )
+    # 2.
     if model:
-        chats = (  # a multi-turn rollout's conversation, for a reward model with its own template
-            worker.read(shard, ("messages",))["messages"] if worker.cfg.rollout.multi_turn else None
-        )
-        with worker.awake("reward") as scorer:
-            scored = scorer.score(
-                prompt_ids=rows(data["prompt_ids"]),
-                response_ids=responses,
-                raw_prompt=data["raw_prompt"],
-                conversations=chats,
-            )
-        ensemble = ensemble_scores(
-            scored.member_scores, uncertainty_penalty=worker.cfg.reward.uncertainty_penalty
-        )
-        rm = ensemble.score  # (B,)
-        bad = find_nonfinite(rm)
-        if bad:
-            named = [shard.keys[i] for i in bad]
-            raise NonFiniteScoreError(
-                f"reward model returned non-finite scores for {len(named)} sample(s) in "
-                f"{shard.partition_id}: {named[:8]}{' …' if len(named) > 8 else ''}; nothing was written"
-            )
-        worker.write(shard, {"rm_scores": nested(assemble_rm_scores(rm, n))})
-        out.rm, out.truncated = rm.tolist(), int(scored.truncated.sum())
-        out.rm_mean, out.rm_std = ensemble.mean.tolist(), ensemble.std.tolist()
-        out.rm_members = int(scored.member_scores.shape[1])
+        reward_model_scores(worker, shard, data, out)
+    # 3.
     if teacher:
         teacher_logprobs(worker, shard, rows(data["prompt_ids"]), responses)
+    # 4.
     if rule or texts or judge:
-        decoded = worker.tokenizer.batch_decode(
-            [r.tolist() for r in responses], skip_special_tokens=True
-        )
-        if worker.cfg.rollout.multi_turn:  # the rewards judge the conversation's final answer
-            from infra.agent_loop import final_answer
-
-            chats = worker.read(shard, ("messages",))["messages"]
-            decoded = [final_answer(chat) for chat in chats]
+        decoded = _decoded(worker, shard, responses)
         if judge:
             out.verdicts = judge_verdicts(worker, shard, data, decoded)
         if rule:
@@ -187,6 +166,52 @@ def score_rows(
         if texts:
             out.texts = decoded
     return out
+
+
+def reward_model_scores(
+    worker: ModelWorker, shard: BatchMeta, data: dict[str, Any], out: ShardScores
+) -> None:
+    """Worker side: the reward model (one or an ensemble, awake for the block) scores my
+    samples → write ``rm_scores`` (the ensemble's score on each response's last token) and fill
+    ``out``'s reward-model fields; raises NonFiniteScoreError, writing nothing, on a NaN/inf."""
+    chats = (  # a multi-turn rollout's conversation, for a reward model with its own template
+        worker.read(shard, ("messages",))["messages"] if worker.cfg.rollout.multi_turn else None
+    )
+    with worker.awake("reward") as scorer:
+        scored = scorer.score(
+            prompt_ids=rows(data["prompt_ids"]),
+            response_ids=rows(data["response_ids"]),
+            raw_prompt=data["raw_prompt"],
+            conversations=chats,
+        )
+    ensemble = ensemble_scores(
+        scored.member_scores, uncertainty_penalty=worker.cfg.reward.uncertainty_penalty
+    )
+    rm = ensemble.score  # (B,)
+    bad = find_nonfinite(rm)
+    if bad:
+        named = [shard.keys[i] for i in bad]
+        raise NonFiniteScoreError(
+            f"reward model returned non-finite scores for {len(named)} sample(s) in "
+            f"{shard.partition_id}: {named[:8]}{' …' if len(named) > 8 else ''}; nothing was written"
+        )
+    worker.write(
+        shard, {"rm_scores": nested(assemble_rm_scores(rm, lengths(data["response_ids"])))}
+    )
+    out.rm, out.truncated = rm.tolist(), int(scored.truncated.sum())
+    out.rm_mean, out.rm_std = ensemble.mean.tolist(), ensemble.std.tolist()
+    out.rm_members = int(scored.member_scores.shape[1])
+
+
+def _decoded(worker: ModelWorker, shard: BatchMeta, responses: list[torch.Tensor]) -> list[str]:
+    """The responses as text; a multi-turn rollout's is its conversation's final answer."""
+    if worker.cfg.rollout.multi_turn:
+        from infra.agent_loop import final_answer
+
+        return [final_answer(chat) for chat in worker.read(shard, ("messages",))["messages"]]
+    return list(
+        worker.tokenizer.batch_decode([r.tolist() for r in responses], skip_special_tokens=True)
+    )
 
 
 def teacher_logprobs(
