@@ -366,13 +366,7 @@ def _actor_micro_step(
         entropy = entropy_from_logits(logits=mb_logits)  # (b, T)
     # 2.
     token_means: dict[str, float] = {}
-    old_logprobs = mb_tensors.get("old_logprobs")
-    if old_logprobs is None:  # one on-policy step: the weights have not moved yet
-        old_logprobs = logprobs.detach()  # (b, T)
-        if "ref_logprobs" in mb_tensors:
-            ref = mb_tensors["ref_logprobs"]
-            kl = kl_penalty(logprobs=old_logprobs, ref_logprobs=ref, kind="k1")  # (b, T)
-            token_means["actor/kl_to_ref"] = float(kl[mb.response_mask].mean().nan_to_num())
+    old_logprobs = _old_logprobs(mb_tensors, logprobs, mb, token_means)  # (b, T)
     # 3.
     loss_mask, is_weights = _correct(
         mb_tensors,
@@ -411,8 +405,7 @@ def _actor_micro_step(
             agg=cfg.agg,
             loss_denominator=loss_denominator,
         )
-        loss = loss + cfg.distill_loss_coef * distill
-        parts["actor/distill_loss"] = float(distill.detach())
+        loss, parts["actor/distill_loss"] = loss + cfg.distill_loss_coef * distill, float(distill)
     torch.autograd.backward(loss)
     tally.add_tokens(
         float(mb.response_mask.sum()),
@@ -425,6 +418,23 @@ def _actor_micro_step(
         "actor/kl_loss": float(out.kl_loss),
         **parts,
     }
+
+
+def _old_logprobs(
+    mb_tensors: dict[str, Tensor], logprobs: Tensor, mb: PackedBatch, token_means: dict[str, float]
+) -> Tensor:
+    """(b, T) π_old: the given ``old_logprobs``, or (one on-policy step: the weights have not
+    moved yet) ``logprobs`` detached, logging ``actor/kl_to_ref`` into ``token_means`` when the
+    reference's log-probs are there."""
+    given = mb_tensors.get("old_logprobs")
+    if given is not None:
+        return given
+    old_logprobs = logprobs.detach()  # (b, T)
+    if "ref_logprobs" in mb_tensors:
+        ref = mb_tensors["ref_logprobs"]
+        kl = kl_penalty(logprobs=old_logprobs, ref_logprobs=ref, kind="k1")  # (b, T)
+        token_means["actor/kl_to_ref"] = float(kl[mb.response_mask].mean().nan_to_num())
+    return old_logprobs
 
 
 def _correct(
@@ -648,32 +658,16 @@ def actor_update(
     3. Reduce gradients (grad_reducer), clip, step; the scheduler steps per optimizer step.
     Returns mean metrics over steps (losses, grad norm) or real tokens (clipfrac, ppo_kl).
     """
-    per_token = {"advantages": advantages}
-    if old_logprobs is not None:
-        per_token["old_logprobs"] = old_logprobs
-    elif cfg.ppo_epochs > 1 or cfg.mini_batch_size < batch.batch_size:
-        raise ValueError(
-            "old_logprobs=None needs a single optimizer step (ppo_epochs=1 and mini_batch_size ≥ "
-            f"the batch's {batch.batch_size} rows); got ppo_epochs={cfg.ppo_epochs}, "
-            f"mini_batch_size={cfg.mini_batch_size}: recompute old_logprobs"
-        )
-    if ref_logprobs is not None:
-        per_token["ref_logprobs"] = ref_logprobs
-    if rollout_logprobs is not None:
-        per_token["rollout_logprobs"] = rollout_logprobs
-    if teacher_logprobs is not None:
-        per_token["teacher_logprobs"] = teacher_logprobs
-    behaviour = old_logprobs if cfg.old_is_rollout else rollout_logprobs
-    if behaviour is None and (cfg.old_is_rollout or cfg.rollout_correction != "none"):
-        raise ValueError(
-            f"rollout_correction={cfg.rollout_correction!r} (old_is_rollout="
-            f"{cfg.old_is_rollout}) needs the behaviour policy's log-probs: pass "
-            "rollout_logprobs (or old_logprobs with old_is_rollout)"
-        )
-    _check_per_token(batch, per_token)
+    given = {
+        "advantages": advantages,
+        "old_logprobs": old_logprobs,
+        "ref_logprobs": ref_logprobs,
+        "rollout_logprobs": rollout_logprobs,
+        "teacher_logprobs": teacher_logprobs,
+    }
+    per_token = _actor_per_token(batch, cfg, given)
     if cfg.padding_free:
         check_keeps_rows_apart(model, batch)
-
     loop = _Epochs(
         role="actor", model=model, optimizer=optimizer, cfg=cfg, micro_step=_actor_micro_step
     )
@@ -691,6 +685,32 @@ def actor_update(
     metrics["actor/lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["actor/skipped_steps"] = float(tally.skipped_steps)
     return metrics
+
+
+def _actor_per_token(
+    batch: PackedBatch, cfg: ActorUpdateSettings, given: dict[str, Tensor | None]
+) -> dict[str, Tensor]:
+    """The (B, T) inputs of ``actor_update`` that were given, checked: ``old_logprobs=None`` only
+    for one optimizer step, the behaviour policy's log-probs where the correction needs them,
+    every shape the batch's."""
+    per_token = {name: value for name, value in given.items() if value is not None}
+    if "old_logprobs" not in per_token and (
+        cfg.ppo_epochs > 1 or cfg.mini_batch_size < batch.batch_size
+    ):
+        raise ValueError(
+            "old_logprobs=None needs a single optimizer step (ppo_epochs=1 and mini_batch_size ≥ "
+            f"the batch's {batch.batch_size} rows); got ppo_epochs={cfg.ppo_epochs}, "
+            f"mini_batch_size={cfg.mini_batch_size}: recompute old_logprobs"
+        )
+    behaviour = per_token.get("old_logprobs" if cfg.old_is_rollout else "rollout_logprobs")
+    if behaviour is None and (cfg.old_is_rollout or cfg.rollout_correction != "none"):
+        raise ValueError(
+            f"rollout_correction={cfg.rollout_correction!r} (old_is_rollout="
+            f"{cfg.old_is_rollout}) needs the behaviour policy's log-probs: pass "
+            "rollout_logprobs (or old_logprobs with old_is_rollout)"
+        )
+    _check_per_token(batch, per_token)
+    return per_token
 
 
 class PaddingFreeError(ValueError):
