@@ -626,6 +626,17 @@ class OptimConfig(_Section):
     lr: float = Field(1e-4, gt=0, description="Learning rate.")
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="Linear warmup (optimizer steps).")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description=(
+            "The learning rate after the warmup: 'constant', or 'cosine' from lr down to lr * "
+            "min_lr_ratio at the run's last optimizer step (trainer.total_steps iterations of "
+            "ppo_epochs passes over a step's mini-batches)."
+        ),
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="With lr_schedule 'cosine': the last step's lr over lr."
+    )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
     mini_batch_size: int = Field(64, ge=1, description="Samples per optimizer step.")
     micro_batch_size: int = Field(

@@ -27,6 +27,7 @@ or sequence count, so N workers make the same update as one).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import socket
@@ -110,8 +111,29 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _warmup_lambda(warmup: int) -> Callable[[int], float]:
-    return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+def lr_factor(optim: OptimConfig, total: int) -> Callable[[int], float]:
+    """The learning rate of optimizer step ``step`` (from 0) over ``optim.lr``: a linear warmup
+    over ``optim.warmup_steps``, then 1, or (``lr_schedule: cosine``) a cosine from 1 after the
+    warmup down to ``optim.min_lr_ratio`` at step ``total - 1``, held there after it."""
+    warmup, floor = optim.warmup_steps, optim.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if optim.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def optimizer_steps(cfg: TrainConfig, optim: OptimConfig) -> int:
+    """Optimizer steps in a whole run: ``trainer.total_steps`` iterations, each ``ppo_epochs``
+    passes over the mini-batches of its ``prompts_per_step × n`` samples."""
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.n
+    per_step = optim.ppo_epochs * -(-samples // optim.mini_batch_size)
+    return cfg.trainer.total_steps * per_step
 
 
 class ModelWorker:
@@ -294,7 +316,8 @@ class ModelWorker:
             weight_decay=optim.weight_decay,
             eps=1e-8,
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_lambda(optim.warmup_steps))
+        total = optimizer_steps(self.cfg, optim)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(optim, total))
         return TrainableModel(module, optimizer, device=str(self.device), scheduler=scheduler)
 
     @property
