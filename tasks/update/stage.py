@@ -88,6 +88,49 @@ def _update(
     actor: ActorUpdateSettings,
     critic: CriticUpdateSettings | None,
 ) -> dict[str, float]:
+    """1. Read the shard (``_update_inputs``). 2. The actor's update, then the new policy's
+    log-probs of the weight-sync probe. 3. The critic's update. 4. Publish the new version."""
+    # 1.
+    batch, actor_batch, given = _update_inputs(worker, shard, fields)
+    metrics: dict[str, float] = {}
+    # 2.
+    with worker.awake("actor") as model:
+        metrics.update(
+            actor_update(
+                **_trainer_inputs(worker, model, actor, actor_batch),
+                old_logprobs=given.get("old_logprobs"),
+                advantages=given["advantages"],
+                ref_logprobs=given.get("ref_logprobs"),
+                rollout_logprobs=given.get("rollout_logprobs"),
+                teacher_logprobs=given.get("teacher_logprobs"),
+                cfg=actor,
+            )
+        )
+        # The new policy's log-probs of the weight-sync probe, for a colocated rollout engine.
+        probe = worker.trainer_probe(model.module)
+    # 3.
+    if critic is not None:
+        with worker.awake("critic") as model:
+            metrics.update(
+                critic_update(
+                    **_trainer_inputs(worker, model, critic, batch),
+                    old_values=given["values"],
+                    returns=given["returns"],
+                    cfg=critic,
+                )
+            )
+    # 4.
+    worker.publish_policy(probe)
+    return metrics
+
+
+def _update_inputs(
+    worker: ModelWorker, shard: BatchMeta, fields: dict[str, str]
+) -> tuple[PackedBatch, PackedBatch, dict[str, torch.Tensor]]:
+    """``(batch, actor_batch, given)`` of my samples: the packed batch with the multi-turn
+    ``loss_mask`` folded into its response mask (the critic's), the same without truncated
+    rows (the actor's), and the per-token fields padded to the batch's (B, T) under the names
+    the update takes them by."""
     batch = read_packed(worker, shard)
     data = worker.read(shard, tuple(fields))
     truncated = data.pop("truncated", None)  # (B,) bool: rows left out of the actor's loss
@@ -101,54 +144,28 @@ def _update(
     if truncated is not None:
         kept = batch.response_mask & ~truncated.to(torch.bool).unsqueeze(1)  # (B, T)
         actor_batch = dataclasses.replace(batch, response_mask=kept)
+    return batch, actor_batch, given
 
-    def common(
-        role: Any, settings: ActorUpdateSettings | CriticUpdateSettings, batch: PackedBatch
-    ) -> dict[str, Any]:
-        """What the actor's and the critic's updates both take: the model of ``role``, its
-        optimizer, the batch and the data-parallel reduction."""
-        units = _global_units(worker, batch.response_mask, settings.mini_batch_size, settings.agg)
-        return {
-            "model": role.module,
-            "optimizer": role.optimizer,
-            "scheduler": role.scheduler,
-            "batch": batch,
-            "micro_batch_count": agree,
-            "grad_sync": functools.partial(gradient_sync, role.module),
-            "global_tokens": units,
-            "global_seqs": units,
-        }
 
-    def agree(n: int) -> int:
-        return agree_count(worker, n)
-
-    metrics: dict[str, float] = {}
-    with worker.awake("actor") as model:
-        metrics.update(
-            actor_update(
-                **common(model, actor, actor_batch),
-                old_logprobs=given.get("old_logprobs"),
-                advantages=given["advantages"],
-                ref_logprobs=given.get("ref_logprobs"),
-                rollout_logprobs=given.get("rollout_logprobs"),
-                teacher_logprobs=given.get("teacher_logprobs"),
-                cfg=actor,
-            )
-        )
-        # The new policy's log-probs of the weight-sync probe, for a colocated rollout engine.
-        probe = worker.trainer_probe(model.module)
-    if critic is not None:
-        with worker.awake("critic") as model:
-            metrics.update(
-                critic_update(
-                    **common(model, critic, batch),
-                    old_values=given["values"],
-                    returns=given["returns"],
-                    cfg=critic,
-                )
-            )
-    worker.publish_policy(probe)
-    return metrics
+def _trainer_inputs(
+    worker: ModelWorker,
+    role: Any,
+    settings: ActorUpdateSettings | CriticUpdateSettings,
+    batch: PackedBatch,
+) -> dict[str, Any]:
+    """What the actor's and the critic's updates both take: the model of ``role``, its
+    optimizer and scheduler, the batch and the data-parallel reduction."""
+    units = _global_units(worker, batch.response_mask, settings.mini_batch_size, settings.agg)
+    return {
+        "model": role.module,
+        "optimizer": role.optimizer,
+        "scheduler": role.scheduler,
+        "batch": batch,
+        "micro_batch_count": functools.partial(agree_count, worker),
+        "grad_sync": functools.partial(gradient_sync, role.module),
+        "global_tokens": units,
+        "global_seqs": units,
+    }
 
 
 # Each data-parallel worker returns its SHARE of these losses (divided by the global token or
