@@ -487,7 +487,24 @@ def actor_loss(
     entropy (B, T) is needed when entropy_coef ≠ 0 and ref_logprobs (B, T) when
     kl_loss_coef ≠ 0; both terms use the same aggregation and denominator as the policy loss.
     is_weights (B, T) weight the policy loss only (see `ppo_policy_loss`).
+
+    1. The policy loss. 2. Minus ``entropy_coef`` × the entropy. 3. Plus ``kl_loss_coef`` × the
+    KL to the reference (``kl_loss_kind``).
     """
+    if entropy is None and entropy_coef != 0.0:
+        raise ValueError("entropy_coef is set but no entropy (B, T) was given to actor_loss")
+    if ref_logprobs is None and kl_loss_coef != 0.0:
+        raise ValueError("kl_loss_coef is set but no ref_logprobs (B, T) were given to actor_loss")
+
+    def term(loss_mat: Tensor) -> Tensor:
+        return aggregate_loss(
+            loss_mat=loss_mat,
+            response_mask=response_mask,
+            agg=agg,
+            loss_denominator=loss_denominator,
+        )
+
+    # 1.
     pg = policy.bind()(
         logprobs=logprobs,
         old_logprobs=old_logprobs,
@@ -498,26 +515,15 @@ def actor_loss(
         is_weights=is_weights,
     )
     total = pg.loss
-    zero = torch.zeros((), dtype=total.dtype, device=total.device)
-    entropy_term, kl_term = zero, zero
+    entropy_term = kl_term = torch.zeros((), dtype=total.dtype, device=total.device)
+    # 2.
     if entropy is not None:
-        entropy_term = aggregate_loss(
-            loss_mat=entropy,
-            response_mask=response_mask,
-            agg=agg,
-            loss_denominator=loss_denominator,
-        )
+        entropy_term = term(entropy)
         total = total - entropy_coef * entropy_term
-    elif entropy_coef != 0.0:
-        raise ValueError("entropy_coef is set but no entropy (B, T) was given to actor_loss")
+    # 3.
     if ref_logprobs is not None:
-        kl_mat = kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, kind=kl_loss_kind)
-        kl_term = aggregate_loss(
-            loss_mat=kl_mat, response_mask=response_mask, agg=agg, loss_denominator=loss_denominator
-        )
+        kl_term = term(kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, kind=kl_loss_kind))
         total = total + kl_loss_coef * kl_term
-    elif kl_loss_coef != 0.0:
-        raise ValueError("kl_loss_coef is set but no ref_logprobs (B, T) were given to actor_loss")
     return ActorLossOutput(
         loss=total,
         pg_loss=pg.loss.detach(),
