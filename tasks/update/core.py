@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -496,33 +497,30 @@ def actor_loss(
     if ref_logprobs is None and kl_loss_coef != 0.0:
         raise ValueError("kl_loss_coef is set but no ref_logprobs (B, T) were given to actor_loss")
 
-    def term(loss_mat: Tensor) -> Tensor:
-        return aggregate_loss(
-            loss_mat=loss_mat,
-            response_mask=response_mask,
-            agg=agg,
-            loss_denominator=loss_denominator,
-        )
-
+    masked: dict[str, Any] = {
+        "response_mask": response_mask,
+        "agg": agg,
+        "loss_denominator": loss_denominator,
+    }
+    term = functools.partial(aggregate_loss, **masked)
     # 1.
     pg = policy.bind()(
         logprobs=logprobs,
         old_logprobs=old_logprobs,
         advantages=advantages,
-        response_mask=response_mask,
-        agg=agg,
-        loss_denominator=loss_denominator,
         is_weights=is_weights,
+        **masked,
     )
     total = pg.loss
     entropy_term = kl_term = torch.zeros((), dtype=total.dtype, device=total.device)
     # 2.
     if entropy is not None:
-        entropy_term = term(entropy)
+        entropy_term = term(loss_mat=entropy)
         total = total - entropy_coef * entropy_term
     # 3.
     if ref_logprobs is not None:
-        kl_term = term(kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, kind=kl_loss_kind))
+        kl = kl_penalty(logprobs=logprobs, ref_logprobs=ref_logprobs, kind=kl_loss_kind)
+        kl_term = term(loss_mat=kl)
         total = total + kl_loss_coef * kl_term
     return ActorLossOutput(
         loss=total,
