@@ -378,8 +378,6 @@ def _actor_micro_step(
         token_means=token_means,
     )
     # 4.
-    if cfg.distill_loss_coef and "teacher_logprobs" not in mb_tensors:
-        raise ValueError("distill_loss_coef is set but no teacher_logprobs were given")
     out = actor_loss(
         logprobs=logprobs,
         old_logprobs=old_logprobs,
@@ -397,14 +395,7 @@ def _actor_micro_step(
     )
     loss, parts = out.loss, {}
     if cfg.distill_loss_coef:
-        distill = aggregate_loss(
-            loss_mat=kl_penalty(
-                logprobs=logprobs, ref_logprobs=mb_tensors["teacher_logprobs"], kind="k2"
-            ),
-            response_mask=loss_mask,
-            agg=cfg.agg,
-            loss_denominator=loss_denominator,
-        )
+        distill = _distill_loss(logprobs, mb_tensors, loss_mask, cfg, loss_denominator)
         loss, parts["actor/distill_loss"] = loss + cfg.distill_loss_coef * distill, float(distill)
     torch.autograd.backward(loss)
     tally.add_tokens(
@@ -418,6 +409,25 @@ def _actor_micro_step(
         "actor/kl_loss": float(out.kl_loss),
         **parts,
     }
+
+
+def _distill_loss(
+    logprobs: Tensor,
+    mb_tensors: dict[str, Tensor],
+    loss_mask: Tensor,
+    cfg: ActorUpdateSettings,
+    loss_denominator: float,
+) -> Tensor:
+    """The distillation term: the k2 divergence of the policy from the teacher's log-probs,
+    aggregated as the policy loss is."""
+    if "teacher_logprobs" not in mb_tensors:
+        raise ValueError("distill_loss_coef is set but no teacher_logprobs were given")
+    divergence = kl_penalty(
+        logprobs=logprobs, ref_logprobs=mb_tensors["teacher_logprobs"], kind="k2"
+    )
+    return aggregate_loss(
+        loss_mat=divergence, response_mask=loss_mask, agg=cfg.agg, loss_denominator=loss_denominator
+    )
 
 
 def _old_logprobs(
