@@ -10,13 +10,21 @@ a fresh one. Standard library only: this module is on the workers' import path.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+import time
+from collections.abc import Callable, Collection
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any, Self
 
-__all__ = ["CallTimeout", "PoolOwner", "call_with_timeout", "kill_executor", "spawn_executor"]
+__all__ = [
+    "CallTimeout",
+    "PoolOwner",
+    "call_with_timeout",
+    "kill_executor",
+    "spawn_executor",
+    "wait_until",
+]
 
 REFIRE_S = 0.05  # after a timeout the alarm repeats until the call gives up control
 
@@ -71,6 +79,17 @@ def spawn_executor(
     return ProcessPoolExecutor(
         workers, mp_context=get_context("spawn"), initializer=initializer, initargs=initargs
     )
+
+
+def wait_until(
+    futures: Collection[Future[Any]], deadline: float, *, first: bool
+) -> tuple[set[Future[Any]], set[Future[Any]]]:
+    """``(done, pending)`` once the first of ``futures`` (``first``) or all of them are done, or
+    at ``deadline`` (a ``time.monotonic()`` time; one already past only collects what is done):
+    the parent's backstop against calls stuck where the alarm cannot reach."""
+    timeout = max(0.0, deadline - time.monotonic())
+    done, pending = wait(futures, timeout, FIRST_COMPLETED if first else ALL_COMPLETED)
+    return done, pending
 
 
 def kill_executor(executor: ProcessPoolExecutor | None) -> None:

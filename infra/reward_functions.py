@@ -24,7 +24,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -39,6 +39,7 @@ from infra.bounded_calls import (
     call_with_timeout,
     kill_executor,
     spawn_executor,
+    wait_until,
 )
 from infra.text import one_line
 
@@ -565,7 +566,7 @@ class RewardFunctionPool(PoolOwner):
                 next_chunk += 1
             # 2.
             deadline = min(d for _, d in in_flight.values())
-            done, _ = wait(in_flight, max(0.0, deadline - time.monotonic()), FIRST_COMPLETED)
+            done, _ = wait_until(in_flight.keys(), deadline, first=True)
             if not done and time.monotonic() >= deadline:
                 self._raise_stuck(chunks, in_flight)
             for future in done:

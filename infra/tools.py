@@ -16,7 +16,7 @@ import functools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,6 +27,7 @@ from infra.bounded_calls import (
     call_with_timeout,
     kill_executor,
     spawn_executor,
+    wait_until,
 )
 from infra.reward_functions import _resolved, load_function
 
@@ -217,10 +218,9 @@ class ToolPool(PoolOwner):
             # Started (and the tools imported) before any call's clock runs.
             wait([self._executor.submit(_ready) for _ in range(self._workers)], _START_TIMEOUT_S)
         futures: list[Future[ToolResult]] = [self._executor.submit(_run_call, c) for c in calls]
-        deadline = time.monotonic() + self._timeout_s + self._slack_s
-        pending = set(futures)
-        while pending and time.monotonic() < deadline:
-            _, pending = wait(pending, deadline - time.monotonic(), FIRST_COMPLETED)
+        _, pending = wait_until(
+            futures, time.monotonic() + self._timeout_s + self._slack_s, first=False
+        )
         out: list[ToolResult] = []
         broken = False
         for call, future in zip(calls, futures):
