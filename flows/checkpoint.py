@@ -47,27 +47,23 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def save_checkpoint(
     run_dir: Path,
-    step: int,
+    state: RunState,
     *,
-    state: dict[str, Any],
     save_workers: Callable[[str], object],
     store: Store,
-    partitions: list[str],
     keep: int,
     midway: Callable[[], None] | None = None,
 ) -> Path:
     """Write a whole checkpoint atomically; keep the newest ``keep``. ``midway`` is called when
     everything is written but not yet renamed into place (where an injected fault strikes)."""
-    final = checkpoint_dir(run_dir, step)
+    final = checkpoint_dir(run_dir, state.step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_workers(str(tmp / "workers"))
-    if partitions:
-        store.save(tmp / "store", partitions=partitions)
-    (tmp / STATE).write_text(
-        json.dumps({**state, "step": step, "partitions": partitions}, indent=1)
-    )
+    if state.partitions:
+        store.save(tmp / "store", partitions=state.partitions)
+    (tmp / STATE).write_text(json.dumps(state.to_json(), indent=1))
     if midway is not None:
         midway()
     shutil.rmtree(final, ignore_errors=True)
@@ -78,21 +74,63 @@ def save_checkpoint(
     return final
 
 
-def read_state(path: Path) -> dict[str, Any]:
-    state: dict[str, Any] = json.loads((path / STATE).read_text())
-    return state
+@dataclass(frozen=True)
+class RunState:
+    """What a checkpoint saves of the flow (``state.json``), beside the workers' states and the
+    store's partitions: the step it follows, the data cursor, the KL controller, the partitions
+    submitted for later steps and, of those, the steps whose rollout finished (their handles and
+    metrics: dynamic sampling in ``separate_async``)."""
+
+    step: int
+    data: dict[str, Any]
+    kl: dict[str, Any]
+    submitted: dict[int, BatchMeta]
+    produced: dict[int, StageResult]
+
+    @property
+    def partitions(self) -> list[str]:
+        """The store partitions the checkpoint holds: the submitted steps'."""
+        return [meta.partition_id for meta in self.submitted.values()]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "data": self.data,
+            "kl": self.kl,
+            "submitted": {str(s): m.to_json() for s, m in self.submitted.items()},
+            "produced": {
+                str(s): {"meta": r.meta.to_json(), "metrics": r.metrics}
+                for s, r in self.produced.items()
+            },
+            "partitions": self.partitions,
+        }
+
+    @classmethod
+    def from_json(cls, state: dict[str, Any]) -> RunState:
+        return cls(
+            step=int(state["step"]),
+            data=state["data"],
+            kl=state["kl"],
+            submitted={int(s): BatchMeta.from_json(m) for s, m in state["submitted"].items()},
+            produced={
+                int(s): StageResult(BatchMeta.from_json(p["meta"]), dict(p["metrics"]))
+                for s, p in state.get("produced", {}).items()
+            },
+        )
+
+
+def read_state(path: Path) -> RunState:
+    """The flow's state in the checkpoint at ``path``."""
+    return RunState.from_json(json.loads((path / STATE).read_text()))
 
 
 @dataclass(frozen=True)
 class Restored:
-    """What ``restore`` put back: the checkpoint's step, the policy version, the partitions
-    submitted for later steps."""
+    """What ``restore`` put back: the checkpoint's path, its flow state and the policy version."""
 
     path: Path
-    step: int
+    state: RunState
     version: int
-    submitted: dict[int, BatchMeta]
-    produced: dict[int, StageResult]  # later steps whose rollout finished (separate_async)
 
 
 def restore(path: Path, *, ctx: StageContext, data: DataCursor) -> Restored:
@@ -103,16 +141,11 @@ def restore(path: Path, *, ctx: StageContext, data: DataCursor) -> Restored:
     state = read_state(path)
     version = min(ctx.rt.train_group.call(ModelWorker.load_checkpoint, str(path / "workers")))
     sync_rollout_weights(ctx)
-    data.load_state_dict(state["data"])
-    ctx.kl.load_state_dict(state["kl"])
-    if state["partitions"]:
+    data.load_state_dict(state.data)
+    ctx.kl.load_state_dict(state.kl)
+    if state.partitions:
         ctx.rt.store.load(path / "store")
-    submitted = {int(s): BatchMeta.from_json(m) for s, m in state["submitted"].items()}
-    produced = {
-        int(s): StageResult(BatchMeta.from_json(p["meta"]), dict(p["metrics"]))
-        for s, p in state.get("produced", {}).items()
-    }
-    return Restored(path, int(state["step"]), version, submitted, produced)
+    return Restored(path, state, version)
 
 
 def checkpoint_run(
@@ -130,22 +163,18 @@ def checkpoint_run(
     """Save the run after ``step``: workers, data cursor (``data_state`` in its place when
     given), KL controller, the partitions ``pending`` (submitted for later steps) and, of those,
     the ``produced`` ones' handles and metrics."""
-    state = {
-        "data": data.state_dict() if data_state is None else data_state,
-        "kl": ctx.kl.state_dict(),
-        "submitted": {str(s): m.to_json() for s, m in pending.items()},
-        "produced": {
-            str(s): {"meta": r.meta.to_json(), "metrics": r.metrics}
-            for s, r in (produced or {}).items()
-        },
-    }
+    state = RunState(
+        step=step,
+        data=data.state_dict() if data_state is None else data_state,
+        kl=ctx.kl.state_dict(),
+        submitted=dict(pending),
+        produced=dict(produced or {}),
+    )
     return save_checkpoint(
         run_dir,
-        step,
-        state=state,
+        state,
         save_workers=lambda path: ctx.rt.train_group.call(ModelWorker.save_checkpoint, path),
         store=ctx.rt.store,
-        partitions=[m.partition_id for m in pending.values()],
         keep=keep,
         midway=midway,
     )

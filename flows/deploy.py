@@ -380,7 +380,7 @@ def planned_steps(cfg: TrainConfig) -> range:
     the step after the latest checkpoint in run_dir (``trainer.resume='auto'``), at most
     ``trainer.steps_per_run`` of them, never past ``trainer.total_steps``."""
     ckpt = latest_checkpoint(cfg.resolved_run_dir) if cfg.trainer.resume == "auto" else None
-    first = 0 if ckpt is None else int(read_state(ckpt)["step"]) + 1
+    first = 0 if ckpt is None else read_state(ckpt).step + 1
     per_run, total = cfg.trainer.steps_per_run, cfg.trainer.total_steps
     return range(first, total if per_run is None else min(total, first + per_run))
 

@@ -120,11 +120,11 @@ class Trainer:
     def _load(self, path: Path) -> int:
         """Restore the checkpoint at ``path``; returns the step after it."""
         restored = restore(path, ctx=self.ctx, data=self.data)
-        self.version, self.submitted = restored.version, restored.submitted
-        self.steps_done = restored.step + 1
-        self.ready = restored.produced
+        self.version, self.submitted = restored.version, dict(restored.state.submitted)
+        self.steps_done = restored.state.step + 1
+        self.ready = dict(restored.state.produced)
         self.last_checkpoint = path
-        return restored.step + 1
+        return restored.state.step + 1
 
     def checkpoint(self, step: int) -> None:
         """Save the run after ``step``; a ``faults`` entry for the checkpoint strikes when

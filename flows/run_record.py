@@ -139,7 +139,7 @@ def _steps_done(run_dir: Path) -> int | None:
     from flows.checkpoint import latest_checkpoint, read_state
 
     latest = latest_checkpoint(run_dir)
-    return None if latest is None else int(read_state(latest)["step"]) + 1
+    return None if latest is None else read_state(latest).step + 1
 
 
 def check_run_dir(cfg: TrainConfig) -> Path | None:

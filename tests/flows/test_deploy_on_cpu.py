@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prefect import flow
 
-from flows.checkpoint import STATE, checkpoint_dir
+from flows.checkpoint import STATE, RunState, checkpoint_dir
 from flows.deploy import (
     PACKAGED_PREFECT_YAML,
     DeploymentError,
@@ -55,7 +55,8 @@ def fake_checkpoint(run_dir: Path, step: int) -> None:
     """A complete checkpoint as far as resume's choice of step is concerned: its state.json."""
     path = checkpoint_dir(run_dir, step)
     path.mkdir(parents=True)
-    (path / STATE).write_text(json.dumps({"step": step}))
+    state = RunState(step=step, data={}, kl={}, submitted={}, produced={})
+    (path / STATE).write_text(json.dumps(state.to_json()))
 
 
 def run_from_deployment(preset: dict[str, Any], run_parameters: dict[str, Any]) -> Any:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flows import cli
+from flows.checkpoint import RunState
 from flows.run_record import (
     RunDirError,
     check_run_dir,
@@ -124,7 +125,8 @@ def test_total_steps_may_not_go_below_the_steps_already_checkpointed(tmp_path: P
     _a_run(run_dir)
     checkpoint = run_dir / "checkpoints" / "step-000003"
     checkpoint.mkdir(parents=True)
-    (checkpoint / "state.json").write_text(json.dumps({"step": 3}))
+    state = RunState(step=3, data={}, kl={}, submitted={}, produced={})
+    (checkpoint / "state.json").write_text(json.dumps(state.to_json()))
     with pytest.raises(RunDirError) as err:
         check_run_dir(_cfg(run_dir, "trainer.total_steps=3"))
     assert str(err.value).startswith(
