@@ -24,7 +24,7 @@ folder and those of the reward models that have a report) when one exists for th
 come from a run with the same seed and ``warmstart.rm_steps``, which trains the same folders (the
 benchmark does not check); the members it lacks are trained. The gold metric is ``eval/rule_accuracy`` (greedy, the
 held-out prompts, every ``--eval-every`` steps); the proxy the policy optimises is the training
-batch's reward-model score (``reward/rm_score/mean``; ``reward/rm_mean/mean`` is the members'
+batch's reward-model score (``reward/rm/mean``; ``reward/rm_mean/mean`` is the members'
 mean). Per run: the peak held-out accuracy and its step, the last one, and the drop between them.
 
 Prints a table, writes ``benchmarks/results/overoptimisation.json`` (every curve, the settings,
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 VARIANTS = ("ensemble", "single", "ensemble+penalty")
 CURVE_KEYS = (
-    "reward/rm_score/mean",
+    "reward/rm/mean",
     "reward/rm_mean/mean",
     "reward/rm_std/mean",
     "reward/rule/mean",
@@ -180,7 +180,7 @@ def summarise(curves: dict[str, Any]) -> dict[str, Any]:
     five-step means (the training RM score)."""
     acc, steps = curves["eval/rule_accuracy"], curves["eval_steps"]
     best = max(range(len(acc)), key=lambda i: acc[i])
-    proxy = [v for v in curves["reward/rm_score/mean"] if v is not None]
+    proxy = [v for v in curves["reward/rm/mean"] if v is not None]
     return {
         "peak": acc[best],
         "peak_step": steps[best],
@@ -232,7 +232,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         for run in runs:
             c = run["curves"]
             left.plot(c["eval_steps"], c["eval/rule_accuracy"], color=colours[variant], lw=0.6)
-            right.plot(c["steps"], c["reward/rm_score/mean"], color=colours[variant], lw=0.6)
+            right.plot(c["steps"], c["reward/rm/mean"], color=colours[variant], lw=0.6)
         if runs:
             steps = runs[0]["curves"]["eval_steps"]
             mean = [

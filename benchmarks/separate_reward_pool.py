@@ -183,7 +183,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = statistics.median(row.get(key, 0.0) for row in rows)
     tokens = statistics.median(row["perf/total_num_tokens"] for row in rows)
     out["tokens_per_s"] = tokens / out["timing_s/step"]
-    for key in ("reward/rm_score/mean", "reward/judge/parse_failures"):
+    for key in ("reward/rm/mean", "reward/judge/parse_failures"):
         if key in rows[0]:
             out[key] = statistics.median(row[key] for row in rows)
     out["loads"] = [run["load"] for run in runs]

@@ -380,7 +380,7 @@ class JudgeConfig(_Section):
 
 
 class RewardConfig(_Section):
-    """The per-sample score: ``model_weight * rm_score + sum(weight_i * function_i)``
+    """The per-sample score: ``model_weight * rm + sum(weight_i * function_i)``
     (+ ``rule_weight * rule``) (+ ``judge.weight * judge``)."""
 
     functions: list[RewardFunctionConfig] = Field(

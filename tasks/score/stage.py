@@ -2,10 +2,10 @@
 
 The per-sample score is
 
-    scores = reward.model_weight * rm_score + reward.judge.weight * judge
+    scores = reward.model_weight * rm + reward.judge.weight * judge
              + Σ weight_i * function_i (+ reward.rule_weight * rule)
 
-    rm_score = mean − reward.uncertainty_penalty × std over the reward-model ensemble's members
+    rm = mean − reward.uncertainty_penalty × std over the reward-model ensemble's members
                (one model: its score)
 
 - the scoring workers (the reward pool's, else the rollout pool's) each take a shard of the
@@ -287,8 +287,11 @@ class Scores:
     verdicts: list[str] | None = None  # the judge's texts
     metrics: Metrics = field(default_factory=dict)
 
-    def parts(self, overlong: torch.Tensor) -> list[dict[str, float]]:
-        """Per sample: each computed part's unweighted value by name (``reward_parts``)."""
+    def named_parts(self) -> dict[str, list[float]]:
+        """Each computed part's unweighted values by name, the one vocabulary of scoring,
+        validation, saved samples and the filter: ``rm`` (the reward model's, an ensemble's
+        combined score), ``rm_mean`` and ``rm_std`` (an ensemble's), ``judge``, ``rule`` and
+        ``fn/<name>`` per reward function."""
         named: dict[str, list[float]] = {}
         if self.rm is not None:
             named["rm"] = self.rm.tolist()
@@ -303,7 +306,11 @@ class Scores:
             fs = self.functions.scores
             for name, values in zip(function_names(list(fs)), fs.values(), strict=True):
                 named[f"fn/{name}"] = list(values)
-        named["overlong_penalty"] = overlong.tolist()
+        return named
+
+    def parts(self, overlong: torch.Tensor) -> list[dict[str, float]]:
+        """Per sample: ``named_parts`` and the ``overlong_penalty`` (``reward_parts``)."""
+        named = {**self.named_parts(), "overlong_penalty": overlong.tolist()}
         return [
             {name: float(values[i]) for name, values in named.items()}
             for i in range(len(self.total))
@@ -383,7 +390,7 @@ def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scor
         out.rm_mean = torch.tensor([v for p in parts for v in p.rm_mean or ()])  # (B,)
         out.rm_std = torch.tensor([v for p in parts for v in p.rm_std or ()])  # (B,)
         out.rm_members = max(p.rm_members for p in parts)
-        out.metrics["reward/rm_score/mean"] = float(out.rm.mean())
+        out.metrics["reward/rm/mean"] = float(out.rm.mean())
         out.metrics["reward/rm_mean/mean"] = float(out.rm_mean.double().mean())
         out.metrics["reward/rm_std/mean"] = float(out.rm_std.double().mean())
         out.metrics["reward/rm_truncated_ratio"] = sum(p.truncated for p in parts) / len(meta.keys)

@@ -10,9 +10,10 @@ reporting ``progress`` over the two long parts (generated, scored).
 
 Metrics use verl's names, per data source: ``val-core/<data_source>/reward/mean@<n>`` (the
 weighted total), and ``val-aux/<data_source>/<part>/mean@<n>`` for each reward part that
-scored: ``rm_score`` (and an ensemble's ``rm_mean``, ``rm_std``), ``judge`` (the parsed verdicts; the run's judge scores validation whenever
-it scores training, as ``data.val_files`` use every reward of the run), ``rule``, and
-``fn/<name>`` per reward function. When the rule scored, ``eval/rule_accuracy`` is its mean
+scored, named as in ``Scores.named_parts``: ``rm`` (and an ensemble's ``rm_mean``, ``rm_std``),
+``judge`` (the parsed verdicts; the run's judge scores validation whenever it scores training,
+as ``data.val_files`` use every reward of the run), ``rule``, and ``fn/<name>`` per reward
+function. When the rule scored, ``eval/rule_accuracy`` is its mean
 over every sample.
 """
 
@@ -30,7 +31,7 @@ from tasks.context import Metrics, StageContext
 from tasks.generate.stage import generate_partition, submit_prompts
 from tasks.io import read
 from tasks.plan import Scoring
-from tasks.score.stage import Scores, compute_scores
+from tasks.score.stage import compute_scores
 
 VALIDATION_SEED = 0
 
@@ -60,25 +61,6 @@ def per_source_means(sources: list[str], values: list[float], name: str, n: int)
     return {f"{source}/{name}/mean@{n}": sums[source] / counts[source] for source in sums}
 
 
-def _parts(scores: Scores) -> dict[str, list[float]]:
-    """Each reward part that scored, per sample (see the module docstring)."""
-    parts: dict[str, list[float]] = {}
-    if scores.rm is not None:
-        parts["rm_score"] = scores.rm.tolist()
-    parts.update(scores.ensemble_parts())
-    if scores.judge is not None:
-        parts["judge"] = scores.judge.tolist()
-    if scores.rule is not None:
-        parts["rule"] = scores.rule.tolist()
-    if scores.functions is not None:
-        from infra.reward_functions import function_names
-
-        names = function_names(list(scores.functions.scores))
-        for name, values in zip(names, scores.functions.scores.values(), strict=True):
-            parts[f"fn/{name}"] = values
-    return parts
-
-
 @task(name="validate", cache_policy=NO_CACHE, task_run_name="validate[step={step}]")
 def validate(
     ctx: StageContext, job: Validation, step: int, progress: Progress | None = None
@@ -99,7 +81,7 @@ def validate(
         sources = [str(s) for s in read(ctx, meta, ("data_source",))["data_source"]]
         total = per_source_means(sources, scores.total.tolist(), "reward", job.n)
         metrics = {f"val-core/{k}": v for k, v in total.items()}
-        for name, values in _parts(scores).items():
+        for name, values in scores.named_parts().items():
             means = per_source_means(sources, values, name, job.n)
             metrics.update({f"val-aux/{k}": v for k, v in means.items()})
         if scores.rule is not None:

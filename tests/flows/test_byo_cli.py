@@ -20,7 +20,7 @@ from byo_assets import RAISING_SOURCE, SOURCES, reward_functions, yaml_list
 pytest_plugins = ("conftest_byo",)  # its fixtures: byo, byo_base, byo_train, byo_cli
 
 FN_MEAN = "reward/fn/compute_score/mean"
-RM_MEAN = "reward/rm_score/mean"
+RM_MEAN = "reward/rm/mean"
 
 
 def _train_rows(rows: list[dict]) -> list[dict]:

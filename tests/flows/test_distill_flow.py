@@ -63,7 +63,7 @@ def test_pure_distillation_in_sync_lowers_the_reverse_kl(
     assert [r["step"] for r in rows] == list(range(8))
     for r in rows:
         assert all(name in r for name in METRICS), sorted(r)
-        assert "reward/rm_score/mean" not in r
+        assert "reward/rm/mean" not in r
         assert r["timing_s/wake/teacher"] >= 0  # colocated on the training pool
     kl = [r["distill/reverse_kl/mean"] for r in rows]
     assert kl[0] > 0.5, kl  # the sharper teacher disagrees with the student at first
@@ -95,7 +95,7 @@ def test_distillation_beside_the_reward_model_in_the_async_modes(
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert all(name in r for name in METRICS), sorted(r)
-        assert "reward/rm_score/mean" in r  # the reward model scored beside the teacher
+        assert "reward/rm/mean" in r  # the reward model scored beside the teacher
         as_loss = cfg.algorithm.distill.mode == "kl_loss"
         assert ("actor/distill_loss" in r) is as_loss and r.get("actor/distill_loss", 1.0) > 0
     on_training_pool = any("timing_s/wake/teacher" in r for r in rows)

@@ -66,7 +66,7 @@ def _assert_judged(
             seen[verdict] += 1
         assert r["reward/judge/mean"] == sum(s["judge"] for s in samples) / len(samples)
         assert r["reward/judge/parse_failures"] == 0.0
-        assert "reward/rm_score/mean" in r and "actor/pg_loss" in r
+        assert "reward/rm/mean" in r and "actor/pg_loss" in r
     assert seen["yes"] and seen["no"], seen
     return seen
 

@@ -48,7 +48,7 @@ def test_warm_start_trains_two_members_and_the_run_scores_with_both(
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         assert row["reward/rm_std/mean"] > 0
-        assert row["reward/rm_score/mean"] == pytest.approx(
+        assert row["reward/rm/mean"] == pytest.approx(
             row["reward/rm_mean/mean"] - 0.5 * row["reward/rm_std/mean"], abs=1e-5
         )
     # 3. The saved samples carry the parts: rm is the penalised score.
