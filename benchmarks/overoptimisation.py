@@ -108,6 +108,10 @@ def overrides(args: argparse.Namespace, seed: int, variant: str) -> list[str]:
         "trainer.save_samples=false",
         f"warmstart.rm_steps={args.rm_steps}",
         f"warmstart.rm_ensemble={args.members}",
+        # The recipe docs/results/overoptimisation.md measured: a constant learning rate and
+        # advantages divided by their group's std (the main job decays its rate and does not).
+        "actor.lr_schedule=constant",
+        "algorithm.norm_by_std=true",
         *args.extra,
     ]
     paths = [str(p) for p in members(args, seed)]

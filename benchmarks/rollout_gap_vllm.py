@@ -2,7 +2,7 @@
 does to learning, on the built-in task (the main job's recipe).
 
 Run:  .venv/bin/python benchmarks/rollout_gap_vllm.py --warm-from 'runs/vllm-{seed}/warmstart'
-          [--seeds 0 1 2] [--steps 55] [--output benchmarks/results/rollout-gap-vllm.json]
+          [--seeds 0 1 2] [--steps 80] [--output benchmarks/results/rollout-gap-vllm.json]
 
 Needs vLLM (``make venv-vllm``). For each seed, the finished warm start of a main-job run with
 that seed (``--warm-from``: its SFT policy and reward models; the recipe depends on the seed
@@ -87,7 +87,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--warm-from", required=True, help="a warmstart folder per seed, {seed}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=55, help="trainer.total_steps")
+    parser.add_argument(
+        "--steps", type=int, default=80, help="trainer.total_steps (the main job's)"
+    )
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks" / "results" / "rollout-gap-vllm.json"
@@ -103,6 +105,7 @@ def main() -> None:
         key = f"seed={seed} dtype={dtype} mode={mode} correction={fix}"
         print(f"  {key} ...", flush=True)
         results[key] = run_one(args, seed, dtype, mode, fix)
+        write_report(args, results)  # after every run: an interrupted sweep keeps what it ran
     print(f"\n{'run':<58}{'acc 0':>7}{'acc end':>9}{'kl_k3':>10}{'is_w max':>10}{'probe':>10}")
     for key, r in results.items():
         if not r["ok"]:
@@ -115,10 +118,14 @@ def main() -> None:
             f"{gap.get('rollout_corr/is_weight_max', float('nan')):>10.3f}"
             f"{r['probe_max'] if r['probe_max'] is not None else float('nan'):>10.2e}"
         )
+    write_report(args, results)
+    print(f"wrote {args.output}")
+
+
+def write_report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     report = {"steps": args.steps, "warm_from": args.warm_from, "results": results}
     args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

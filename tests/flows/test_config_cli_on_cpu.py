@@ -29,6 +29,9 @@ def test_no_config_prints_the_main_job(capsys: pytest.CaptureFixture[str]) -> No
     main_job = TrainConfig().model_dump(mode="json")
     main_job["warmstart"]["rm_ensemble"] = 2  # the main job's ensemble (preset default)
     main_job["reward"]["uncertainty_penalty"] = 1.0
+    main_job["algorithm"]["norm_by_std"] = False  # and its RL settings
+    main_job["actor"]["lr_schedule"] = "cosine"
+    main_job["trainer"]["total_steps"] = 100
     assert yaml.safe_load(out) == main_job
     assert out.startswith("name: default\n")  # the config's own field order
 

@@ -2,10 +2,9 @@
 
 Runs ``ppoflow train`` (the embedded default: tiny assets, SFT warm start, a reward model trained
 on rule-derived pairs, then GRPO with the colocated reward model as the only reward) and checks
-that the rule-checked held-out accuracy, logged beside the reward-model score, reaches what
-docs/results/main-job.md reports for seed 0 (0.955 at step 55, a peak of 0.970): at least 0.95
-at some evaluation and at least 0.9 at the last. Step budgets (not seconds) make the run the
-same on any machine.
+that the rule-checked held-out accuracy, logged beside the reward-model score, ends where
+docs/results/main-job.md reports for seed 0 (0.970 after step 100): at least 0.95 at the last
+evaluation. Step budgets (not seconds) make the run the same on any machine.
 """
 
 from __future__ import annotations
@@ -62,5 +61,5 @@ def test_main_job_learns_from_the_reward_model_alone(tmp_path: Path) -> None:
     # The reward model is good enough to be learned from, and the reward it gives is the only reward.
     assert rm_report["heldout_pair_accuracy"] >= 0.9, rm_report
     assert all(r["reward/rule/mean"] >= 0 for r in rows)  # logged beside the RM score, weight 0
-    assert evals[0] < 0.2 and max(evals) >= 0.95 and evals[-1] >= 0.9, evals
+    assert evals[0] < 0.2 and evals[-1] >= 0.95 - 1e-6, evals  # logged in float32
     assert (run_dir / "curves.png").stat().st_size > 0

@@ -204,14 +204,21 @@ def test_loss_settings_are_required_keywords(loss: Callable[..., Any]) -> None:
     assert optional <= {"entropy", "ref_logprobs", "loss_denominator", "is_weights"}
 
 
-def test_the_default_preset_is_the_default_config_but_for_the_ensemble() -> None:
+def test_the_default_preset_is_the_default_config_but_for_the_ensemble_and_its_rl() -> None:
     # Field for field, paths included: load_config keeps paths as written (assets_dir stays the
     # relative .ppoflow/assets, run_dir None), so nothing differs by where the preset lives. The
-    # main job trains two reward models and penalises their spread; the fields default to one
-    # model and the plain mean.
+    # main job trains two reward models and penalises their spread (the fields default to one
+    # model and the plain mean), and runs 100 steps with a cosine learning rate and advantages
+    # not divided by their group's std.
     main_job = load_config("default")
     assert (main_job.warmstart.rm_ensemble, main_job.reward.uncertainty_penalty) == (2, 1.0)
     defaults = TrainConfig()
     assert (defaults.warmstart.rm_ensemble, defaults.reward.uncertainty_penalty) == (1, 0.0)
-    ensemble = ["warmstart.rm_ensemble=2", "reward.uncertainty_penalty=1.0"]
-    assert main_job.model_dump() == load_config(None, ensemble).model_dump()
+    changed = [
+        "warmstart.rm_ensemble=2",
+        "reward.uncertainty_penalty=1.0",
+        "algorithm.norm_by_std=false",
+        "actor.lr_schedule=cosine",
+        "trainer.total_steps=100",
+    ]
+    assert main_job.model_dump() == load_config(None, changed).model_dump()
