@@ -2,7 +2,7 @@
 does to learning, on the built-in task (the main job's recipe).
 
 Run:  .venv/bin/python benchmarks/rollout_gap_vllm.py --warm-from 'runs/vllm-{seed}/warmstart'
-          [--seeds 0 1 2] [--steps 80] [--output benchmarks/results/rollout-gap-vllm.json]
+          [--seeds 0 1 2] [--steps 100] [--output benchmarks/results/rollout-gap-vllm.json]
 
 Needs vLLM (``make venv-vllm``). For each seed, the finished warm start of a main-job run with
 that seed (``--warm-from``: its SFT policy and reward models; the recipe depends on the seed
