@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--warm-from", required=True, help="a warmstart folder per seed, {seed}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
-        "--steps", type=int, default=80, help="trainer.total_steps (the main job's)"
+        "--steps", type=int, default=100, help="trainer.total_steps (the main job's)"
     )
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument(
