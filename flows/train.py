@@ -20,10 +20,10 @@ from transformers import AutoTokenizer
 
 from flows import stopping
 from flows.deploy import effective_config, flow_run_name
-from flows.inputs import check_inputs, check_teacher_vocabulary, load_datasets
-from flows.loop import Trainer
+from flows.inputs import Datasets, check_inputs, check_teacher_vocabulary, load_datasets
+from flows.loop import RunResult, Trainer
 from flows.plot import plot_run
-from flows.reward_model import reward_model_flow
+from flows.reward_model import ResolvedModels, reward_model_flow
 from flows.run_record import check_run_dir, check_warm_start, write_record
 from flows.runtime import build_runtime
 from flows.teacher import with_teacher
@@ -73,6 +73,18 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     finally:
         rt.shutdown()
     # 4. Plot and summary.
+    summary = _summarise(cfg, result, models, datasets)
+    logger.info("run finished: %s", summary)
+    return summary
+
+
+def _summarise(
+    cfg: TrainConfig, result: RunResult, models: ResolvedModels, datasets: Datasets
+) -> dict[str, Any]:
+    """The run's curves and summary (``summary.md`` and its artifact), and what the flow
+    returns: the steps run, the rule's and validation's first and last values, the reward
+    models' pair accuracies, the last checkpoint and the plot."""
+    run_dir = cfg.resolved_run_dir
     report = result.report
     plot = plot_run(run_dir) if report.rows else None
     extra = {
@@ -106,5 +118,4 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         "checkpoint": str(result.checkpoint) if result.checkpoint else None,
         "plot": str(plot) if plot else None,
     }
-    logger.info("run finished: %s", summary)
     return summary
