@@ -107,33 +107,25 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
         # 0. The store (this handle owns its shards: closing it ends them).
         store = open_store(cfg.store.url)
         url = store.url
+
+        def group(name: str, size: int, roles: tuple[Role, ...], devices: int = 1) -> WorkerGroup:
+            """A pool of ``size`` bundles of ``devices`` devices and its workers of ``roles``."""
+            pool = create_pool(
+                name, size, accelerator=res.accelerator_resource, devices_per_bundle=devices
+            )
+            pools.append(pool)
+            return WorkerGroup(pool, _spec(cfg, models, roles, url), call_timeout_s=timeout)
+
         # 1. Training pool (colocated roles take turns on each of its bundles).
-        train_pool = create_pool("train", res.num_workers, accelerator=res.accelerator_resource)
-        pools.append(train_pool)
-        train = WorkerGroup(
-            train_pool, _spec(cfg, models, _train_roles(cfg), url), call_timeout_s=timeout
-        )
+        train = group("train", res.num_workers, _train_roles(cfg))
         # 2. Optional own pools for the reward model / judge and the rollout.
-        rollout = train
         colocated = {"reward", "judge", "teacher"} & set(train.spec.roles)
         reward: WorkerGroup | None = train if colocated else None
         if own_reward:
-            pool = create_pool("reward", 1, accelerator=res.accelerator_resource)
-            pools.append(pool)
-            reward = WorkerGroup(
-                pool, _spec(cfg, models, _reward_roles(cfg), url), call_timeout_s=timeout
-            )
+            reward = group("reward", 1, _reward_roles(cfg))
+        rollout = train
         if separate:
-            pool = create_pool(
-                "rollout",
-                res.rollout_workers,
-                accelerator=res.accelerator_resource,
-                devices_per_bundle=rollout_devices,
-            )
-            pools.append(pool)
-            rollout = WorkerGroup(
-                pool, _spec(cfg, models, ("rollout",), url), call_timeout_s=timeout
-            )
+            rollout = group("rollout", res.rollout_workers, ("rollout",), rollout_devices)
         # 3. The reward-function processes.
         functions: RewardFunctionPool | None = None
         if cfg.reward.functions:
