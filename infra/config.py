@@ -241,8 +241,8 @@ class RolloutConfig(_Section):
         gt=0,
         description=(
             "Largest accepted |engine - trainer| probe log-prob difference (null: by "
-            "models.dtype: float32 1e-3, float16 1.0, bfloat16 2.0: half precision rounds the "
-            "log-probs of the probe's improbable tokens by up to about a nat)."
+            "models.dtype: float32 1e-3, float16 1.0, bfloat16 4.0: half precision rounds the "
+            "log-probs of the probe's improbable tokens by up to a few nats)."
         ),
     )
     tensor_parallel_size: int = Field(

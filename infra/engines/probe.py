@@ -37,11 +37,11 @@ _PROBE_SEED = 20_261_204
 
 # Largest |engine - trainer| log-probability difference accepted per engine dtype: a float32
 # engine matches the trainer up to kernel rounding. Half-precision engines round every
-# activation and logit, and the probe's random tokens are mostly improbable ones with large
-# logits: on the built-in task a trained policy's bfloat16 engine differed from the trainer by up
-# to about 1 nat on one of them (0.05 on average). Their bounds catch a gross break (a tensor
-# not loaded or garbled), not an engine one small update behind.
-_TOLERANCE = {"float32": 1e-3, "float16": 1.0, "bfloat16": 2.0}
+# activation and logit; on the probe's random, mostly improbable tokens single differences
+# spike, more as training sharpens the policy (docs/guides/vllm.md has the measured ones). Their
+# bounds catch a gross break (a tensor not loaded or garbled), not an engine one small update
+# behind.
+_TOLERANCE = {"float32": 1e-3, "float16": 1.0, "bfloat16": 4.0}
 
 
 class WeightSyncError(RuntimeError):
