@@ -62,7 +62,10 @@ def run_one(args: argparse.Namespace, seed: int, dtype: str, mode: str, fix: str
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - started
     if done.returncode != 0:
-        return {"ok": False, "error": done.stderr.strip().splitlines()[-1:], "wall_s": wall}
+        # The CLI's own last word ("ppoflow: <Error>: ..."), else the output's last line.
+        lines = done.stderr.strip().splitlines()
+        said = [line for line in lines if line.startswith("ppoflow: ")]
+        return {"ok": False, "error": (said or lines)[-1:], "wall_s": wall}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/rule_accuracy" in r]
     if not evals:
