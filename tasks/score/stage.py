@@ -134,31 +134,33 @@ def score_rows(
             f"{', '.join(worker.spec.roles)}) holds none"
         )
     # 1.
+    decodes = bool(rule or texts or judge)
+    conversations = worker.cfg.rollout.multi_turn and (model or decodes)
     names = (
         ("prompt_ids", "response_ids")
         + (("raw_prompt",) if model or judge else ())
         + (("ground_truth",) if rule or judge else ())
         + (("data_source",) if judge else ())
+        + (("messages",) if conversations else ())
     )
     data = worker.read(shard, names)
     responses = rows(data["response_ids"])
+    n = lengths(data["response_ids"])  # (B,)
     cut = truncated_rows(
         response_ids=responses,
         eos_ids=worker.eos_ids,
         max_new_tokens=worker.cfg.rollout.max_new_tokens,
     )  # (B,)
-    out = ShardScores(
-        response_lengths=lengths(data["response_ids"]).tolist(), response_truncated=cut.tolist()
-    )
+    out = ShardScores(response_lengths=n.tolist(), response_truncated=cut.tolist())
     # 2.
     if model:
-        reward_model_scores(worker, shard, data, out)
+        reward_model_scores(worker, shard, data, n, out)
     # 3.
     if teacher:
         teacher_logprobs(worker, shard, rows(data["prompt_ids"]), responses)
     # 4.
-    if rule or texts or judge:
-        decoded = _decoded(worker, shard, responses)
+    if decodes:
+        decoded = _decoded(worker, data, responses)
         if judge:
             out.verdicts = judge_verdicts(worker, shard, data, decoded)
         if rule:
@@ -169,20 +171,23 @@ def score_rows(
 
 
 def reward_model_scores(
-    worker: ModelWorker, shard: BatchMeta, data: dict[str, Any], out: ShardScores
+    worker: ModelWorker,
+    shard: BatchMeta,
+    data: dict[str, Any],
+    response_lengths: torch.Tensor,
+    out: ShardScores,
 ) -> None:
     """Worker side: the reward model (one or an ensemble, awake for the block) scores my
-    samples → write ``rm_scores`` (the ensemble's score on each response's last token) and fill
-    ``out``'s reward-model fields; raises NonFiniteScoreError, writing nothing, on a NaN/inf."""
-    chats = (  # a multi-turn rollout's conversation, for a reward model with its own template
-        worker.read(shard, ("messages",))["messages"] if worker.cfg.rollout.multi_turn else None
-    )
+    samples (``data`` as ``score_rows`` read them; a multi-turn rollout's ``messages`` are the
+    conversations, for a reward model with its own template) → write ``rm_scores`` (the
+    ensemble's score on each response's last token) and fill ``out``'s reward-model fields;
+    raises NonFiniteScoreError, writing nothing, on a NaN/inf."""
     with worker.awake("reward") as scorer:
         scored = scorer.score(
             prompt_ids=rows(data["prompt_ids"]),
             response_ids=rows(data["response_ids"]),
             raw_prompt=data["raw_prompt"],
-            conversations=chats,
+            conversations=data.get("messages"),
         )
     ensemble = ensemble_scores(
         scored.member_scores, uncertainty_penalty=worker.cfg.reward.uncertainty_penalty
@@ -195,20 +200,19 @@ def reward_model_scores(
             f"reward model returned non-finite scores for {len(named)} sample(s) in "
             f"{shard.partition_id}: {named[:8]}{' …' if len(named) > 8 else ''}; nothing was written"
         )
-    worker.write(
-        shard, {"rm_scores": nested(assemble_rm_scores(rm, lengths(data["response_ids"])))}
-    )
+    worker.write(shard, {"rm_scores": nested(assemble_rm_scores(rm, response_lengths))})
     out.rm, out.truncated = rm.tolist(), int(scored.truncated.sum())
     out.rm_mean, out.rm_std = ensemble.mean.tolist(), ensemble.std.tolist()
     out.rm_members = int(scored.member_scores.shape[1])
 
 
-def _decoded(worker: ModelWorker, shard: BatchMeta, responses: list[torch.Tensor]) -> list[str]:
-    """The responses as text; a multi-turn rollout's is its conversation's final answer."""
+def _decoded(worker: ModelWorker, data: dict[str, Any], responses: list[torch.Tensor]) -> list[str]:
+    """The responses as text; a multi-turn rollout's is its conversation's final answer (of
+    the ``messages`` ``score_rows`` read)."""
     if worker.cfg.rollout.multi_turn:
         from infra.agent_loop import final_answer
 
-        return [final_answer(chat) for chat in worker.read(shard, ("messages",))["messages"]]
+        return [final_answer(chat) for chat in data["messages"]]
     return list(
         worker.tokenizer.batch_decode([r.tolist() for r in responses], skip_special_tokens=True)
     )

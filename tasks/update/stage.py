@@ -30,6 +30,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from torch import Tensor
 
+from infra.colocate import TrainableModel
 from infra.training import gradient_sync
 from infra.workers import ModelWorker
 from storage import BatchMeta
@@ -149,7 +150,7 @@ def _update_inputs(
 
 def _trainer_inputs(
     worker: ModelWorker,
-    role: Any,
+    role: TrainableModel,
     settings: ActorUpdateSettings | CriticUpdateSettings,
     batch: PackedBatch,
 ) -> dict[str, Any]:
