@@ -102,7 +102,6 @@ class RunState:
                 str(s): {"meta": r.meta.to_json(), "metrics": r.metrics}
                 for s, r in self.produced.items()
             },
-            "partitions": self.partitions,
         }
 
     @classmethod

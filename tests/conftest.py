@@ -110,11 +110,22 @@ def prefect_harness(session_tmp: Path) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def assets(session_tmp: Path) -> object:
-    """Tiny tokenizer, models and dataset, built once per session and loaded with from_pretrained."""
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every test process of this pytest run shares (pytest-xdist's workers each get a
+    base temp folder inside the run's own): what is built there is built once per run, under
+    ``infra.assets.build_lock`` and in a folder named after what made it."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return root / "shared"
+
+
+@pytest.fixture(scope="session")
+def assets(shared_root: Path) -> object:
+    """Tiny tokenizer, models and dataset, built once per pytest run (every test process reads
+    the same build) and loaded with from_pretrained."""
     from infra.assets import build_tiny_assets
 
-    return build_tiny_assets(session_tmp / "assets", seed=0)
+    return build_tiny_assets(shared_root / "assets", seed=0)
 
 
 @pytest.fixture()

@@ -14,6 +14,7 @@ write ``loss_mask``, ``messages``, ``num_turns``, ``tool_calls``, ``tool_errors`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,6 +33,8 @@ from tasks.io import nested, rows, write
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from infra.config import RolloutConfig
 
 T = TypeVar("T")
 
@@ -108,8 +111,8 @@ def generate_rows(
     first_group: int,
     temperature: float | None = None,
 ) -> int:
-    """Worker side: read my prompts → ``n`` samples each (one engine call, or the agent loop for
-    multi-turn rollouts) → write my samples' rows. Prompt i of the shard is group
+    """Worker side: read my prompts → ``n`` samples each (the rollout's ``Sampler``: one engine
+    call, or the agent loop) → write my samples' rows. Prompt i of the shard is group
     ``first_group + i``. ``temperature`` overrides the rollout's (validation), and then no
     minimum length applies. Returns the policy version that generated them."""
     cfg = worker.cfg.rollout
@@ -119,10 +122,10 @@ def generate_rows(
         temperature=cfg.temperature if temperature is None else temperature,
         min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
     )
-    sample = _agent_samples if cfg.multi_turn else _single_turn_samples
-    data = worker.read(prompts, AGENT_READS if cfg.multi_turn else READS)
+    sampler = rollout_sampler(cfg)
+    data = worker.read(prompts, sampler.reads)
     with worker.awake("rollout") as engine:
-        columns = sample(worker, engine, data, sampling)
+        columns = sampler.sample(worker, engine, data, sampling)
     provenance = _provenance(worker, len(prompts.keys), n=n, first_group=first_group)
     worker.write(sample_meta(prompts, n), {**columns, **provenance})
     return worker.version
@@ -137,6 +140,19 @@ class Sampling:
     seed: int
     temperature: float
     min_new_tokens: int
+
+
+SampleFn = Callable[[ModelWorker, GenerationEngine, dict[str, Any], Sampling], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """One kind of rollout: the prompt fields it reads, the function that samples them (the
+    columns it returns) and every field a generation of it writes."""
+
+    reads: tuple[str, ...]
+    sample: SampleFn
+    writes: tuple[str, ...]
 
 
 def _single_turn_samples(
@@ -191,6 +207,10 @@ def _agent_samples(
         "messages": [t.messages for t in out],
         **{name: ints(name) for name in AGENT_COUNTS},
     }
+
+
+SINGLE_TURN = Sampler(READS, _single_turn_samples, WRITES)
+AGENT = Sampler(AGENT_READS, _agent_samples, WRITES + AGENT_WRITES)
 
 
 def _provenance(
@@ -248,9 +268,15 @@ def generate_partition(
     return meta.with_fields(*written(ctx))
 
 
+def rollout_sampler(cfg: RolloutConfig) -> Sampler:
+    """The agent loop for multi-turn rollouts (``rollout.tools`` or ``rollout.max_turns`` > 1),
+    else one ``generate`` call per shard."""
+    return AGENT if cfg.multi_turn else SINGLE_TURN
+
+
 def written(ctx: StageContext) -> tuple[str, ...]:
-    """The fields a generation writes: ``WRITES``, and ``AGENT_WRITES`` for multi-turn runs."""
-    return WRITES + (AGENT_WRITES if ctx.cfg.rollout.multi_turn else ())
+    """The fields the run's generations write."""
+    return rollout_sampler(ctx.cfg.rollout).writes
 
 
 @task(name="generate", cache_policy=NO_CACHE, task_run_name="generate[step={step}]")

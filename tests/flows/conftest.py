@@ -14,6 +14,7 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from uuid import UUID
 
 import pytest
@@ -104,3 +105,12 @@ def tiny_run(
     return TinyRun(
         flow_run=run, run_dir=run_dir, parameters=params, run_name=params["config"]["name"]
     )
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(assets, shared_root) -> Path:
+    """The kill/resume tests' reference: ``cli_runs.command`` run to the end, uninterrupted (its
+    run directory), made once per pytest run for every test process."""
+    from cli_runs import reference_run
+
+    return reference_run(assets, shared_root)

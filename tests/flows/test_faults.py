@@ -2,7 +2,7 @@
 raises, a store shard that is lost and a worker that dies end with the weights of a fault-free
 run; without restarts left
 the run fails naming the dead worker; a flow process that exits mid-checkpoint resumes to the
-same weights (tests/flows/test_kill_resume.py; tiny config, real Prefect, real Ray)."""
+same weights (tests/flows/test_kill_resume*.py; tiny config, real Prefect, real Ray)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kill_resume import _final_weights
+from cli_runs import final_weights
 
 from infra.config import load_config
 
@@ -27,7 +27,7 @@ COMMON = [
 
 
 def _assert_same_weights(a: Path, b: Path) -> None:
-    ref, got = _final_weights(a, STEPS), _final_weights(b, STEPS)
+    ref, got = final_weights(a, STEPS), final_weights(b, STEPS)
     assert ref.keys() == got.keys()
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], rtol=0, atol=1e-6, msg=key)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_runs import env, kill_everything_under, kill_once_logged  # noqa: E402
 from test_filter_groups import _check_steps  # noqa: E402
 from test_filter_groups import _run as _run_filtered  # noqa: E402
 from test_judge import _assert_judged  # noqa: E402
-from test_kill_resume import _env, _kill_everything_under, kill_once_logged  # noqa: E402
 
 from infra.config import load_config  # noqa: E402
 from infra.engines.probe import WeightSyncError  # noqa: E402
@@ -131,14 +131,14 @@ def test_sigkill_then_resume_with_vllm_ends_with_the_uninterrupted_weights(
     try:
         reference = tmp_path / "reference"
         done = subprocess.run(
-            _command(assets, reference), env=_env(tmp), timeout=600, capture_output=True, text=True
+            _command(assets, reference), env=env(tmp), timeout=600, capture_output=True, text=True
         )
         assert done.returncode == 0, done.stderr[-3000:]
-        _kill_everything_under(tmp)
+        kill_everything_under(tmp)
         run_dir = tmp_path / "killed"
         kill_once_logged(_command(assets, run_dir), tmp, run_dir / "metrics.jsonl", steps=2)
         done = subprocess.run(
-            _command(assets, run_dir), env=_env(tmp), timeout=600, capture_output=True, text=True
+            _command(assets, run_dir), env=env(tmp), timeout=600, capture_output=True, text=True
         )
         assert done.returncode == 0, done.stderr[-3000:]
         assert '"first_step": 0' not in done.stdout, done.stdout[-2000:]  # it resumed
@@ -147,4 +147,4 @@ def test_sigkill_then_resume_with_vllm_ends_with_the_uninterrupted_weights(
         for name in expected:
             assert torch.equal(expected[name], got[name]), name  # type: ignore[arg-type]
     finally:
-        _kill_everything_under(tmp)
+        kill_everything_under(tmp)
