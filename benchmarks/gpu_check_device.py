@@ -2,8 +2,8 @@
 
 Everything runs in this process through ``infra.workers.ModelWorker`` with an in-process
 ``memory://`` store (as ``benchmarks/gpu_check_scale.py``'s ``child_part`` does). The stage
-modules ``tasks.*.stage`` import Prefect (and ``tasks.io`` imports Ray through
-``tasks.context``), so this script calls what their worker-side steps call instead: the
+modules ``tasks.*.stage`` import Ray (through ``tasks.context``'s worker groups), so this script
+calls what their worker-side steps call instead: the
 engine's ``generate``, the scorer's ``score``, ``tasks.batching.gather_response_logprobs`` (the
 gather of ``tasks.logprobs.stage.response_logprobs``) and ``tasks.update.optimize.actor_update``
 with ``ActorUpdateSettings`` built from the config by ``tasks.update.settings.actor_settings``

@@ -35,6 +35,7 @@ from flows.retry import retry_options
 from flows.reward_model import ResolvedModels
 from flows.samples import save_step_samples
 from flows.sampling import Sampler
+from flows.stages import advantage, logprobs, update, validate
 from infra.config import TrainConfig
 from infra.faults import FaultPlan, strike
 from infra.group import WorkerDied
@@ -43,12 +44,9 @@ from infra.runtime import Runtime
 from infra.workers import ModelWorker
 from storage import BatchMeta, ShardLost
 from storage.ray_backend import RayStore
-from tasks.advantage.stage import advantage
 from tasks.context import Metrics, StageContext, StageResult, Timings
 from tasks.generate.stage import submit_prompts
-from tasks.logprobs.stage import logprobs
-from tasks.update.stage import update
-from tasks.validate.stage import Validation, validate
+from tasks.validate.stage import Validation
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

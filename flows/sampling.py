@@ -29,13 +29,12 @@ from typing import TYPE_CHECKING
 from prefect import get_run_logger
 
 from flows.progress import run_artifact, step_phase_progress
+from flows.stages import filter_groups, generate, score
 from infra.progress import Progress
 from storage import BatchMeta
 from tasks.context import Metrics, StageContext, StageResult, Timings
 from tasks.filter.core import refill_size
-from tasks.filter.stage import FilterJob, filter_groups
-from tasks.generate.stage import generate
-from tasks.score.stage import score
+from tasks.filter.stage import FilterJob
 
 if TYPE_CHECKING:
     from flows.retry import RetryOptions

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from torch import Tensor
 
 from infra.agent_loop import agent_metrics
@@ -160,7 +158,6 @@ def advantage_rows(
     return Computed(tensors={}, metrics=out.metrics, reward_kl=out.reward_kl)
 
 
-@task(name="advantage", cache_policy=NO_CACHE, task_run_name="advantage[step={step}]")
 @faults_at("advantage", lambda ctx: ctx.rt.train_group)
 def advantage(ctx: StageContext, meta: BatchMeta, step: int) -> AdvantageResult:
     out = ctx.rt.train_group.run_on(0, advantage_rows, meta, plan=ctx.plan, kl_coef=ctx.kl.value)

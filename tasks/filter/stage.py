@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from storage import BatchMeta
 from tasks.context import StageContext, faults_at
@@ -62,7 +60,6 @@ def metric_values(data: dict[str, Any], meta: BatchMeta, metric: str) -> torch.T
     return torch.tensor([float(p[name]) for p in got], dtype=torch.float64)
 
 
-@task(name="filter", cache_policy=NO_CACHE, task_run_name="filter[step={step}, round={job.round}]")
 @faults_at("filter", lambda ctx: ctx.rt.train_group)
 def filter_groups(ctx: StageContext, job: FilterJob, step: int) -> FilterResult:
     meta = job.candidates

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from infra.agent_loop import run_agent_loop
 from infra.data import PromptRow, chat_prompt_ids
@@ -279,7 +277,6 @@ def written(ctx: StageContext) -> tuple[str, ...]:
     return rollout_sampler(ctx.cfg.rollout).writes
 
 
-@task(name="generate", cache_policy=NO_CACHE, task_run_name="generate[step={step}]")
 @faults_at("generate", lambda ctx: ctx.rt.rollout_group)
 def generate(
     ctx: StageContext, metas: list[BatchMeta], step: int, *, round: int = 0

@@ -15,8 +15,6 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from torch import Tensor
 
 from infra.workers import ModelWorker
@@ -184,7 +182,6 @@ def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[ForwardP
     worker.write(shard, out)
 
 
-@task(name="logprobs", cache_policy=NO_CACHE, task_run_name="logprobs[step={step}]")
 @faults_at("logprobs", lambda ctx: ctx.rt.train_group)
 def logprobs(ctx: StageContext, meta: BatchMeta, step: int) -> BatchMeta:
     names = ctx.plan.forward_passes

@@ -62,8 +62,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from infra.group import WorkerGroup
 from infra.workers import ModelWorker
@@ -438,7 +436,6 @@ def _judge_scores(ctx: StageContext, meta: BatchMeta, verdicts: list[str]) -> Ju
     )
 
 
-@task(name="score", cache_policy=NO_CACHE, task_run_name="score[step={step}]")
 @faults_at("score", lambda ctx: scoring_group(ctx, ctx.plan.scoring))
 def score(ctx: StageContext, meta: BatchMeta, step: int, *, round: int = 0) -> StageResult:
     """Score the rows of ``meta`` (see the module docstring); ``round`` names a dynamic-sampling

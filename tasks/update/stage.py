@@ -26,8 +26,6 @@ import functools
 from typing import Any
 
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from torch import Tensor
 
 from infra.colocate import TrainableModel
@@ -210,7 +208,6 @@ def sync_rollout_weights(ctx: StageContext) -> Metrics:
     return {key: max(r[key] for r in replies) for key in replies[0]} if replies else {}
 
 
-@task(name="update", cache_policy=NO_CACHE, task_run_name="update[step={step}]")
 @faults_at("update", lambda ctx: ctx.rt.train_group)
 def update(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
     world = ctx.rt.train_group.size

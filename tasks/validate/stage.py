@@ -22,9 +22,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from infra.data import PromptRow
 from infra.progress import Parts, Progress
 from tasks.context import Metrics, StageContext
@@ -61,7 +58,6 @@ def per_source_means(sources: list[str], values: list[float], name: str, n: int)
     return {f"{source}/{name}/mean@{n}": sums[source] / counts[source] for source in sums}
 
 
-@task(name="validate", cache_policy=NO_CACHE, task_run_name="validate[step={step}]")
 def validate(
     ctx: StageContext, job: Validation, step: int, progress: Progress | None = None
 ) -> Metrics:

@@ -159,7 +159,7 @@ def test_the_producers_score_and_the_trainer_take_turns_on_one_training_pool(
         thread = threading.Thread(target=trainer)
         thread.start()
         try:
-            scored = score.fn(ctx, meta, 0)
+            scored = score(ctx, meta, 0)
         finally:
             stop.set()
             thread.join(timeout=60)

@@ -175,7 +175,7 @@ def evaluator(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Evaluator:
         PromptRow(uid=u, raw_prompt=[{"role": "user", "content": "1+1="}], ground_truth="2")
         for u in "ab"
     ]
-    return Evaluator(ctx, stage.validate.fn, val_rows=None, heldout=rows)
+    return Evaluator(ctx, stage.validate, val_rows=None, heldout=rows)
 
 
 def test_an_evaluation_shows_its_parts_and_a_line_while_generation_runs_long(

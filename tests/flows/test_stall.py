@@ -22,7 +22,7 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(
     from infra.runtime import Runtime
     from infra.workers import WorkerSpec
     from tasks.context import StageContext
-    from tasks.score.stage import score
+    from flows.stages import score
 
     cfg = load_config(None, ["store.get_timeout_s=0.3"])
     store = open_store("ray://test-stall?shards=1")

@@ -80,11 +80,11 @@ def test_filter_task_removes_dropped_and_surplus_rows_once() -> None:
     store, partition = open_store("memory://"), "train/step-000002"
     meta = _put(store, partition)
     ctx = _ctx(store)
-    out = filter_groups.fn(ctx, FilterJob(meta, want=1, round=0), 2)
+    out = filter_groups(ctx, FilterJob(meta, want=1, round=0), 2)
     assert out.meta.keys == ("a/0", "a/1")
     assert (out.choice.kept, out.choice.dropped, out.choice.surplus) == ((0,), (1,), (2,))
     assert out.removed == 4 and sorted(store.kv_list(partition)) == ["a/0", "a/1"]
-    again = filter_groups.fn(ctx, FilterJob(meta, want=1, round=0), 2)  # a retried try
+    again = filter_groups(ctx, FilterJob(meta, want=1, round=0), 2)  # a retried try
     assert again.meta.keys == out.meta.keys and again.removed == 0
 
 
@@ -94,7 +94,7 @@ def test_filter_task_reads_a_reward_function_part() -> None:
     ctx = _ctx(
         store, "algorithm.filter_groups.metric=f", "reward.functions=[{path: m.py, name: f}]"
     )
-    out = filter_groups.fn(ctx, FilterJob(meta, want=3, round=0), 0)
+    out = filter_groups(ctx, FilterJob(meta, want=3, round=0), 0)
     assert out.choice.kept == (1,) and out.meta.keys == ("b/0", "b/1")
 
 

@@ -217,7 +217,7 @@ def test_the_score_task_weighs_the_judge_in_and_writes_its_verdicts() -> None:
     verdicts = ["yes", "No.", "maybe", "Yes!"]
     ctx, workers = _judged_ctx(verdicts)
     keys = tuple(f"u{i}/0" for i in range(4))
-    out = score.fn(ctx, BatchMeta("train/step-000002", keys, ()), 2)
+    out = score(ctx, BatchMeta("train/step-000002", keys, ()), 2)
     assert workers.asked["judge"] is True and workers.asked["model"] is True
     assert {"scores", "reward_parts", "judge_verdicts", "rm_scores"} <= set(out.meta.fields)
     written = ctx.rt.store.get_fields(
@@ -242,7 +242,7 @@ def test_a_raising_parse_function_fails_the_score_task_writing_nothing(tmp_path:
     ctx, _ = _judged_ctx(["yes", "perhaps"], f"reward.judge.parse={{path: {parse}, name: strict}}")
     meta = BatchMeta("train/step-000003", ("a/0", "a/1"), ())
     with pytest.raises(JudgeParseError, match=rf"{parse}:strict raised on sample 'a/1'"):
-        score.fn(ctx, meta, 3)
+        score(ctx, meta, 3)
     assert ctx.rt.store.kv_list(meta.partition_id) == {}  # nothing written
 
 

@@ -86,7 +86,7 @@ def test_the_score_task_subtracts_the_penalty_and_writes_truncated() -> None:
     workers = StandInScorers([2, 4, 5, 8, 8], [False, False, False, True, False])
     rt = Runtime(store=store, train_group=workers, rollout_group=workers, reward_group=workers)
     ctx = StageContext(cfg=cfg, rt=rt, tokenizer=None)
-    out = score.fn(ctx, BatchMeta("train/step-000001", keys, ()), 1)
+    out = score(ctx, BatchMeta("train/step-000001", keys, ()), 1)
     assert {"scores", "truncated"} <= set(out.meta.fields)
     written = store.get_fields(out.meta, ("scores", "truncated"), timeout=1.0)
     torch.testing.assert_close(written["scores"], torch.tensor([1.0, 1.0, 0.875, 0.5, 0.5]))

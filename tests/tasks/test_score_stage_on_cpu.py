@@ -27,7 +27,7 @@ def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
     rt = Runtime(store=store, train_group=workers, rollout_group=workers, reward_group=workers)
     ctx = StageContext(cfg=load_config(None, ["store.get_timeout_s=0.1"]), rt=rt, tokenizer=None)
     meta = BatchMeta(partition_id=partition, keys=tuple(keys), fields=())
-    out = score.fn(ctx, meta, 3)
+    out = score(ctx, meta, 3)
     writes = ctx.plan.scoring.writes
     assert writes == ("scores", "reward_parts", "rm_scores", "rule_scores")
     assert set(writes) <= set(out.meta.fields)
@@ -35,7 +35,7 @@ def test_rows_scored_before_a_restart_are_not_scored_again() -> None:
     # One key without scores: the whole batch goes to the reward workers again.
     partial = BatchMeta(partition_id=partition, keys=(*keys, "u2/0"), fields=())
     with pytest.raises(LookupError, match="asked to score"):
-        score.fn(ctx, partial, 3)
+        score(ctx, partial, 3)
     assert workers.asked == [partial.keys]
 
 
