@@ -32,7 +32,7 @@ FAULTS = (
     "faults=[{stage: checkpoint, step: 3, action: exit_flow},"
     f" {{stage: generate, step: {KILLED_AT}, round: 1, action: delay, seconds: 60}}]"
 )
-LATE_REFILL = f"1:generate@{KILLED_AT}#0:delay"  # the second entry's label once it has fired
+LATE_REFILL = f"1:generate@{KILLED_AT}#"  # how the second entry's label begins once it fired
 
 
 @pytest.mark.slow
@@ -86,6 +86,7 @@ def test_exit_mid_checkpoint_then_sigkill_mid_refill_then_resume_matches_an_unin
 def _fired(run_dir: Path) -> bool:
     """The late reply on the refill has fired (the run records it before it strikes)."""
     try:
-        return LATE_REFILL in json.loads((run_dir / FIRED).read_text())
+        fired = json.loads((run_dir / FIRED).read_text())
     except (OSError, ValueError):  # not written yet, or being written
         return False
+    return any(label.startswith(LATE_REFILL) for label in fired)
