@@ -17,12 +17,12 @@ def test_a_stage_waiting_for_a_stalled_producer_retries_then_fails_naming_it(
     from prefect import flow
     from prefect.client.orchestration import get_client
 
+    from flows.stages import score
     from infra.cluster import create_pool
     from infra.group import WorkerGroup
     from infra.runtime import Runtime
     from infra.workers import WorkerSpec
     from tasks.context import StageContext
-    from flows.stages import score
 
     cfg = load_config(None, ["store.get_timeout_s=0.3"])
     store = open_store("ray://test-stall?shards=1")
