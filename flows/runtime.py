@@ -85,6 +85,27 @@ def _spec(
     )
 
 
+def _devices(cfg: TrainConfig, *, own_reward: bool) -> int:
+    """The devices the run's pools reserve: the training pool's, the rollout pool's in
+    ``separate_async`` (``tensor_parallel_size`` each) and the reward model's own."""
+    res = cfg.resources
+    rollout = res.rollout_workers * cfg.rollout.tensor_parallel_size
+    return res.num_workers + (rollout if res.mode == "separate_async" else 0) + int(own_reward)
+
+
+def _abandon(store: Store | None, pools: list[ResourcePool], *, started_ray: bool) -> None:
+    """Undo a runtime that failed to start: close its store, release its pools and stop the
+    Ray instance it started."""
+    if store is not None:
+        store.close()
+    for pool in pools:
+        pool.release()
+    if started_ray:
+        import ray
+
+        ray.shutdown()
+
+
 def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
     """Start/attach Ray, reserve pools, start workers (all asleep), open the store."""
     from storage import open_store
@@ -93,12 +114,7 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
     separate = res.mode == "separate_async"
     own_reward = cfg.reward.pool == "own" and bool(_reward_roles(cfg))
     rollout_devices = cfg.rollout.tensor_parallel_size  # > 1 only for vLLM in separate_async
-    devices = (
-        res.num_workers
-        + (res.rollout_workers * rollout_devices if separate else 0)
-        + (1 if own_reward else 0)
-    )
-    started = ensure_ray(res, pools_devices=devices)
+    started = ensure_ray(res, pools_devices=_devices(cfg, own_reward=own_reward))
     stopping.reinstall()  # Ray's driver sets a SIGTERM handler of its own
     timeout = cfg.orchestration.call_timeout_s
     pools: list[ResourcePool] = []
@@ -135,14 +151,7 @@ def build_runtime(cfg: TrainConfig, models: ResolvedModels) -> Runtime:
                 timeout_s=cfg.reward.function_timeout_s,
             )
     except BaseException:
-        if store is not None:
-            store.close()
-        for pool in pools:
-            pool.release()
-        if started:
-            import ray
-
-            ray.shutdown()
+        _abandon(store, pools, started_ray=started)
         raise
     return Runtime(
         store=store,

@@ -333,6 +333,16 @@ class _Turn:
     schemas: list[dict[str, Any]] | None
     eos_ids: frozenset[int]
 
+    @classmethod
+    def of(
+        cls,
+        tokenizer: Tokenizer,
+        schemas: list[dict[str, Any]] | None,
+        eos_token_ids: Sequence[int],
+    ) -> _Turn:
+        ids = frozenset(int(i) for i in eos_token_ids)
+        return cls(tokenizer, tool_call_format(tokenizer), schemas, ids)
+
     def calls(self, text: str, context: Tensor) -> list[ToolCall | ToolResult]:
         """The calls in one turn's ``text``; ``context`` (the ids before the turn) is decoded
         only for a declared format, whose parser reads the turn in its conversation."""
@@ -390,12 +400,7 @@ def run_agent_loop(
     the run's ``rollout`` section (``max_turns``, ``max_new_tokens``,
     ``max_tool_response_tokens``, ``top_p``); ``temperature`` and ``min_new_tokens`` are this
     batch's (the first turn's minimum; a validation batch samples at its own temperature)."""
-    turn = _Turn(
-        tokenizer=tokenizer,
-        format=tool_call_format(tokenizer),
-        schemas=tool_schemas,
-        eos_ids=frozenset(int(i) for i in eos_token_ids),
-    )
+    turn = _Turn.of(tokenizer, tool_schemas, eos_token_ids)
     trajectories = [Trajectory(messages=_messages(p)) for p in raw_prompts for _ in range(n)]
     contexts = [ids for ids in prompt_ids for _ in range(n)]
     # 1. The first turn: n samples per prompt, as a single-turn rollout.
@@ -428,21 +433,35 @@ def run_agent_loop(
         if not live:
             break
         # 5. The next turn from each live row's whole context.
-        remaining = [rollout.max_new_tokens - len(trajectories[r].response_ids) for r in live]
-        inputs = [_context(contexts[r], trajectories[r]) for r in live]
-        out = engine.generate(
-            inputs,
-            n=1,
-            max_new_tokens=max(remaining),
-            temperature=temperature,
-            top_p=rollout.top_p,
-            seed=(seed + number * _TURN_SEED_STRIDE) % (2**31 - 1),
-        )
-        segments = [
-            (ids[:left], lps[:left])
-            for ids, lps, left in zip(out.response_ids, out.rollout_logprobs, remaining)
-        ]
+        rows = [(contexts[r], trajectories[r]) for r in live]
+        seed_of_turn = (seed + number * _TURN_SEED_STRIDE) % (2**31 - 1)
+        segments = _next_turn(engine, rows, rollout, temperature=temperature, seed=seed_of_turn)
     return trajectories
+
+
+def _next_turn(
+    engine: GenerationEngine,
+    rows: list[tuple[Tensor, Trajectory]],
+    rollout: RolloutConfig,
+    *,
+    temperature: float,
+    seed: int,
+) -> list[tuple[Tensor, Tensor]]:
+    """One more sampled turn of each (prompt, trajectory) row, from its whole context, cut to
+    the response budget the row has left: (token ids, their log-probs) per row."""
+    remaining = [rollout.max_new_tokens - len(t.response_ids) for _, t in rows]
+    out = engine.generate(
+        [_context(prompt, t) for prompt, t in rows],
+        n=1,
+        max_new_tokens=max(remaining),
+        temperature=temperature,
+        top_p=rollout.top_p,
+        seed=seed,
+    )
+    return [
+        (ids[:left], lps[:left])
+        for ids, lps, left in zip(out.response_ids, out.rollout_logprobs, remaining)
+    ]
 
 
 def _context(prompt: Tensor, t: Trajectory) -> Tensor:

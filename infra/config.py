@@ -1079,7 +1079,8 @@ class TrainConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _check_modes(self) -> TrainConfig:
+    def _check_rewards(self) -> TrainConfig:
+        """Something scores the samples; a teacher for distillation, a judge model for a judge."""
         judged = self.reward.judge is not None
         if (
             not self.uses_reward_model
@@ -1110,12 +1111,6 @@ class TrainConfig(_Section):
                 )
                 + ", or algorithm.distill.coef=0"
             )
-        for logger in self.trainer.loggers:
-            if logger in LOGGER_EXTRAS and importlib.util.find_spec(logger) is None:
-                raise ValueError(
-                    f"trainer.loggers names {logger!r} but {logger} is not installed: "
-                    f"pip install 'ppoflow[{logger}]' or remove it from trainer.loggers"
-                )
         if judged and self.models.judge is None:
             raise ConfigError(
                 "reward.judge is set but models.judge is not: set models.judge to the judge's "
@@ -1126,6 +1121,17 @@ class TrainConfig(_Section):
                 "models.judge is set but reward.judge is not: set reward.judge.template (and "
                 "reward.judge.parse), or remove models.judge"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_modes(self) -> TrainConfig:
+        """The trackers are installed; the rollout's devices and the workers fit the mode."""
+        for logger in self.trainer.loggers:
+            if logger in LOGGER_EXTRAS and importlib.util.find_spec(logger) is None:
+                raise ValueError(
+                    f"trainer.loggers names {logger!r} but {logger} is not installed: "
+                    f"pip install 'ppoflow[{logger}]' or remove it from trainer.loggers"
+                )
         # separate_async: reward.pool 'colocated' puts the reward model and the judge on the
         # training pool (never the rollout's, which never pauses); 'own' on a pool of their own.
         tp = self.rollout.tensor_parallel_size

@@ -466,6 +466,16 @@ class ActorLossOutput:
     kl_loss: Tensor
 
 
+def _require_terms(
+    *, entropy: Tensor | None, entropy_coef: float, ref: Tensor | None, kl: float
+) -> None:
+    """The inputs the coefficients ask for: the entropy, the reference's log-probs."""
+    if entropy is None and entropy_coef != 0.0:
+        raise ValueError("entropy_coef is set but no entropy (B, T) was given to actor_loss")
+    if ref is None and kl != 0.0:
+        raise ValueError("kl_loss_coef is set but no ref_logprobs (B, T) were given to actor_loss")
+
+
 def actor_loss(
     *,
     logprobs: Tensor,
@@ -492,16 +502,10 @@ def actor_loss(
     1. The policy loss. 2. Minus ``entropy_coef`` × the entropy. 3. Plus ``kl_loss_coef`` × the
     KL to the reference (``kl_loss_kind``).
     """
-    if entropy is None and entropy_coef != 0.0:
-        raise ValueError("entropy_coef is set but no entropy (B, T) was given to actor_loss")
-    if ref_logprobs is None and kl_loss_coef != 0.0:
-        raise ValueError("kl_loss_coef is set but no ref_logprobs (B, T) were given to actor_loss")
-
-    masked: dict[str, Any] = {
-        "response_mask": response_mask,
-        "agg": agg,
-        "loss_denominator": loss_denominator,
-    }
+    _require_terms(entropy=entropy, entropy_coef=entropy_coef, ref=ref_logprobs, kl=kl_loss_coef)
+    masked: dict[str, Any] = dict(
+        response_mask=response_mask, agg=agg, loss_denominator=loss_denominator
+    )
     term = functools.partial(aggregate_loss, **masked)
     # 1.
     pg = policy.bind()(

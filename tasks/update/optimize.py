@@ -43,6 +43,7 @@ from tasks.batching import (
 from tasks.kl import KL_PENALTIES, kl_penalty
 from tasks.update.core import (
     AGGREGATIONS,
+    ActorLossOutput,
     PolicyLossSettings,
     actor_loss,
     aggregate_loss,
@@ -341,6 +342,18 @@ def _response_logits(
     )
 
 
+def _logprobs_and_entropy(
+    model: nn.Module, mb: PackedBatch, cfg: ActorUpdateSettings, width: int | None
+) -> tuple[Tensor, Tensor]:
+    """The current policy's (b, T) log-probs of the response tokens and its entropy there (with
+    a gradient only when ``cfg.entropy_coef`` weights it)."""
+    mb_logits = _response_logits(model, mb, cfg, width)  # (b, T, V)
+    logprobs = logprobs_from_response_logits(response_logits=mb_logits, batch=mb)  # (b, T)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.entropy_coef != 0.0):
+        entropy = entropy_from_logits(logits=mb_logits)  # (b, T)
+    return logprobs, entropy
+
+
 def _actor_micro_step(
     *,
     model: nn.Module,
@@ -360,10 +373,7 @@ def _actor_micro_step(
     4. The policy loss, plus the distillation term; backward; the tallies.
     """
     # 1.
-    mb_logits = _response_logits(model, mb, cfg, width)  # (b, T, V)
-    logprobs = logprobs_from_response_logits(response_logits=mb_logits, batch=mb)  # (b, T)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.entropy_coef != 0.0):
-        entropy = entropy_from_logits(logits=mb_logits)  # (b, T)
+    logprobs, entropy = _logprobs_and_entropy(model, mb, cfg, width)  # (b, T) each
     # 2.
     token_means: dict[str, float] = {}
     old_logprobs = _old_logprobs(mb_tensors, logprobs, mb, token_means)  # (b, T)
@@ -378,6 +388,35 @@ def _actor_micro_step(
         token_means=token_means,
     )
     # 4.
+    loss, out, parts = _micro_loss(
+        logprobs, old_logprobs, entropy, loss_mask, is_weights, mb_tensors, cfg, loss_denominator
+    )
+    torch.autograd.backward(loss)
+    tally.add_tokens(
+        float(mb.response_mask.sum()),
+        **{"actor/pg_clipfrac": float(out.clipfrac), "actor/ppo_kl": float(out.approx_kl)},
+        **token_means,
+    )
+    return {
+        "actor/pg_loss": float(out.pg_loss),
+        "actor/entropy": float(out.entropy),
+        "actor/kl_loss": float(out.kl_loss),
+        **parts,
+    }
+
+
+def _micro_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    entropy: Tensor,
+    loss_mask: Tensor,
+    is_weights: Tensor | None,
+    mb_tensors: dict[str, Tensor],
+    cfg: ActorUpdateSettings,
+    loss_denominator: float,
+) -> tuple[Tensor, ActorLossOutput, dict[str, float]]:
+    """A micro-batch's loss: the policy loss (`actor_loss`, with its parts) plus the
+    distillation term (its metric)."""
     out = actor_loss(
         logprobs=logprobs,
         old_logprobs=old_logprobs,
@@ -397,18 +436,7 @@ def _actor_micro_step(
     if cfg.distill_loss_coef:
         distill = _distill_loss(logprobs, mb_tensors, loss_mask, cfg, loss_denominator)
         loss, parts["actor/distill_loss"] = loss + cfg.distill_loss_coef * distill, float(distill)
-    torch.autograd.backward(loss)
-    tally.add_tokens(
-        float(mb.response_mask.sum()),
-        **{"actor/pg_clipfrac": float(out.clipfrac), "actor/ppo_kl": float(out.approx_kl)},
-        **token_means,
-    )
-    return {
-        "actor/pg_loss": float(out.pg_loss),
-        "actor/entropy": float(out.entropy),
-        "actor/kl_loss": float(out.kl_loss),
-        **parts,
-    }
+    return loss, out, parts
 
 
 def _distill_loss(
@@ -650,21 +678,16 @@ def actor_update(
 ) -> dict[str, float]:
     """PPO epochs over `batch`; old_logprobs, advantages, ref_logprobs, rollout_logprobs are (B, T).
 
-    `old_logprobs=None` is allowed for a single optimizer step (one epoch, one mini-batch): the
-    step's own forward pass, detached, is then the old policy (ratio 1, the same gradient as a
-    recomputed old_logprobs), and with `ref_logprobs` the metric actor/kl_to_ref (k1) is logged.
+    `old_logprobs=None` (one optimizer step only): the step's own forward pass, detached, is
+    the old policy (ratio 1), and with `ref_logprobs` actor/kl_to_ref (k1) is logged.
     `rollout_logprobs` (the behaviour policy's) drive `cfg.rollout_correction` and the
-    `rollout_corr/*` metrics (see `_correct`); with `cfg.old_is_rollout` old_logprobs are
-    the behaviour policy's.
+    `rollout_corr/*` metrics (`_correct`).
 
     1. Split rows into mini-batches (one optimizer step each) and fix each one's denominator.
-    2. Per mini-batch: forward/backward every micro-batch with that denominator. Micro-batches
-       are runs of `cfg.micro_batch_size` rows or, with `cfg.max_tokens_per_micro_batch`, rows
-       sorted by length and packed under that token budget, each trimmed to its longest row.
-       `micro_batch_count(own)` (optional) returns how many micro-batches to run given this
-       worker's own count — with FSDP data parallelism an all-reduce MAX over the workers, so
-       every worker runs as many forward/backward passes. The split changes the step only by
-       float rounding.
+    2. Per mini-batch: forward/backward every micro-batch (as `ActorUpdateSettings` splits
+       them) with that denominator. `micro_batch_count(own)` (optional) gives how many to run
+       from this worker's own count: under FSDP a MAX over the workers, so every worker runs as
+       many passes. The split changes the step only by float rounding.
     3. Reduce gradients (grad_reducer), clip, step; the scheduler steps per optimizer step.
     Returns mean metrics over steps (losses, grad norm) or real tokens (clipfrac, ppo_kl).
     """
