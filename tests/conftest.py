@@ -12,6 +12,7 @@ import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,6 +41,33 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+# The modules whose tests use the session's local Prefect server (tests/flows/conftest.py: its
+# deployments, process worker and finished tiny run): under `--dist loadfile` they go to one test
+# process, which builds those once (test_server_group_on_cpu.py keeps this list true).
+SERVER_MODULES = frozenset(
+    {
+        "tests/flows/test_automation_server.py",
+        "tests/flows/test_deploy_server.py",
+        "tests/flows/test_samples_on_cpu.py",
+        "tests/flows/test_ui_browser.py",
+    }
+)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with the modules of ``SERVER_MODULES`` as one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ServerModulesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "prefect-server" if module in SERVER_MODULES else module
+
+    return ServerModulesTogether(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
