@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from xdist_groups import SERVER_MODULES
 
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="ppoflow-tests-"))
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect-home"))
@@ -41,19 +42,6 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
-
-
-# The modules whose tests use the session's local Prefect server (tests/flows/conftest.py: its
-# deployments, process worker and finished tiny run): under `--dist loadfile` they go to one test
-# process, which builds those once (test_server_group_on_cpu.py keeps this list true).
-SERVER_MODULES = frozenset(
-    {
-        "tests/flows/test_automation_server.py",
-        "tests/flows/test_deploy_server.py",
-        "tests/flows/test_samples_on_cpu.py",
-        "tests/flows/test_ui_browser.py",
-    }
-)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

@@ -1,4 +1,4 @@
-"""``SERVER_MODULES`` (tests/conftest.py) names exactly the test modules that use the session's
+"""``SERVER_MODULES`` (tests/xdist_groups.py) names exactly the test modules that use the session's
 local Prefect server, so the slow tier builds that server, its deployments, worker and tiny run
 in one test process."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import SERVER_MODULES
+from xdist_groups import SERVER_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 # The fixtures of tests/flows/conftest.py built on the session's server.
