@@ -12,13 +12,17 @@ LAYERS = ("flows", "tasks", "infra", "storage")  # each may import only the pack
 
 def imported_packages(path: Path) -> list[tuple[int, str]]:
     """(line, top-level package) of every absolute import in a file."""
-    found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module.split(".")[0]))
-    return found
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [found for node in ast.walk(tree) for found in _packages(node)]
+
+
+def _packages(node: ast.AST) -> list[tuple[int, str]]:
+    """(line, top-level package) of each absolute import ``node`` makes (none if not one)."""
+    if isinstance(node, ast.Import):
+        return [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return [(node.lineno, node.module.split(".")[0])]
+    return []
 
 
 def upward_imports(root: Path) -> list[str]:
@@ -57,11 +61,8 @@ def module_level_imports(path: Path) -> list[tuple[int, str]]:
     pending: list[ast.stmt] = list(ast.parse(path.read_text(), filename=str(path)).body)
     while pending:
         node = pending.pop()
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module.split(".")[0]))
-        elif isinstance(node, ast.If) and not _type_checking(node):
+        found += _packages(node)
+        if isinstance(node, ast.If) and not _type_checking(node):
             pending += node.body + node.orelse
         elif isinstance(node, ast.Try):
             pending += node.body + node.orelse + node.finalbody

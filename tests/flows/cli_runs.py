@@ -47,6 +47,16 @@ def lucky_reward(root: Path) -> Path:
     return path
 
 
+def filtering(reward: Path) -> list[str]:
+    """The overrides of dynamic sampling on the ``lucky`` reward function at ``reward``."""
+    return [
+        f"reward.functions=[{{path: {reward}, name: lucky, weight: 1.0}}]",
+        "algorithm.filter_groups.enabled=true",
+        "algorithm.filter_groups.metric=lucky",
+        "algorithm.filter_groups.max_rounds=3",
+    ]
+
+
 def command(assets, run_dir: Path, reward: Path, *extra: str) -> list[str]:
     """``ppoflow train`` on the tiny config with dynamic sampling on, ``STEPS`` steps."""
     return [
@@ -54,12 +64,7 @@ def command(assets, run_dir: Path, reward: Path, *extra: str) -> list[str]:
         f"models.assets_dir={assets.root}", "warmstart.enabled=false", f"run_dir={run_dir}",
         f"models.reward_model={assets.reward_model}",
         f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2", "trainer.eval_every=100",
-        "resources.num_cpus=2",
-        f"reward.functions=[{{path: {reward}, name: lucky, weight: 1.0}}]",
-        "algorithm.filter_groups.enabled=true",
-        "algorithm.filter_groups.metric=lucky",
-        "algorithm.filter_groups.max_rounds=3",
-        *extra,
+        "resources.num_cpus=2", *filtering(reward), *extra,
     ]  # fmt: skip
 
 

@@ -10,22 +10,15 @@ import zlib
 from pathlib import Path
 
 import pytest
+from cli_runs import filtering, lucky_reward
 
 from infra.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
-# A reward function whose values are 1 for about one sample in five: many groups of four have
-# no spread (all 0), so most steps need a refill round. zlib.crc32: the same in every process.
-LUCKY = """
-import zlib
 
-
-def lucky(data_source, solution_str, ground_truth, extra_info=None):
-    return float(zlib.crc32(solution_str.encode()) % 5 == 0)
-"""
-
-
+# The reward function of cli_runs.LUCKY, 1 for about one sample in five: many groups of four
+# have no spread (all 0), so most steps need a refill round. zlib.crc32: the same in every process.
 def _lucky(text: str) -> float:
     return float(zlib.crc32(text.encode()) % 5 == 0)
 
@@ -33,16 +26,11 @@ def _lucky(text: str) -> float:
 def _run(tiny_overrides: list[str], tmp_path: Path, *extra: str):
     from flows.train import ppo_train
 
-    path = tmp_path / "lucky.py"
-    path.write_text(LUCKY)
     cfg = load_config(
         CONFIGS / "tiny.yaml",
         [
             *tiny_overrides,
-            f"reward.functions=[{{path: {path}, name: lucky, weight: 1.0}}]",
-            "algorithm.filter_groups.enabled=true",
-            "algorithm.filter_groups.metric=lucky",
-            "algorithm.filter_groups.max_rounds=3",
+            *filtering(lucky_reward(tmp_path)),
             "trainer.total_steps=3",
             "trainer.eval_every=100",
             *extra,
