@@ -60,12 +60,12 @@ def _iteration(worker: Any, prompts: Any, samples: Any, n: int) -> dict[str, flo
     responses = worker.store.kv_batch_get(keys, partition, ["response_ids"])["response_ids"]
     adv = nested([torch.ones(len(r)) for r in rows(responses)])
     worker.store.kv_batch_put(keys, partition, {"advantages": adv, "returns": adv})
-    names = ("old_logprobs", "ref_logprobs", "advantages", "values", "returns")
+    names = ("prompt_ids", "response_ids", "old_logprobs", "ref_logprobs", "advantages")
     worker.run(
         update_rows,
         samples,
         step=worker.version,
-        fields={k: k for k in names},
+        reads=(*names, "values", "returns"),
         actor=actor_settings(worker.cfg, 1),
         critic=critic_settings(worker.cfg, 1),
     )

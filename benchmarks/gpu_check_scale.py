@@ -570,7 +570,7 @@ def child_part(setup: Setup, role: str) -> dict[str, Any]:
     start = time.perf_counter()
     worker = ModelWorker(spec)
     result: dict[str, Any] = {"build_s": time.perf_counter() - start, "roles": [role]}
-    fields = StepPlan.from_config(cfg).update_fields  # what the run's update stage reads
+    reads = StepPlan.from_config(cfg).update_reads  # what the run's update stage reads
 
     def step(index: int) -> None:
         _, samples = _fill_store(store, worker, cfg, name, role)
@@ -579,13 +579,13 @@ def child_part(setup: Setup, role: str) -> dict[str, Any]:
         elif role == "ref":
             worker.run(forward_rows, samples, names=("ref_logprobs",))
         else:
-            if "old_logprobs" in fields:  # recomputed by the actor, as the logprobs stage does
+            if "old_logprobs" in reads:  # recomputed by the actor, as the logprobs stage does
                 worker.run(forward_rows, samples, names=("old_logprobs",))
             worker.run(
                 update_rows,
                 samples,
                 step=index,
-                fields=fields,
+                reads=reads,
                 actor=actor_settings(cfg, 1),
                 critic=None,
             )
@@ -600,7 +600,7 @@ def child_part(setup: Setup, role: str) -> dict[str, Any]:
     result["step_s"] = time.perf_counter() - start
     if setup.device == "cuda":
         result["allocator_peak_gib"] = torch.cuda.max_memory_allocated() / GiB
-    result["update_fields"] = sorted(fields) if role == "actor" else None
+    result["update_reads"] = sorted(reads) if role == "actor" else None
     result["ok"] = True
     store.close()
     return result

@@ -17,10 +17,16 @@ from storage import BatchMeta
 from tasks.context import StageContext
 
 
+def offsets(jagged: Tensor) -> Tensor:
+    """Where each row of a nested tensor starts in its values buffer, and where the last ends
+    (B + 1,)."""
+    starts: Tensor = jagged.offsets()  # type: ignore[attr-defined]  # nested tensors have offsets
+    return starts
+
+
 def lengths(jagged: Tensor) -> Tensor:
     """Row lengths (B,) int64 of a nested tensor."""
-    offsets: Tensor = jagged.offsets()  # type: ignore[attr-defined]  # nested tensors have offsets
-    return offsets.diff().to(torch.int64)
+    return offsets(jagged).diff().to(torch.int64)
 
 
 def rows(jagged: Tensor) -> list[Tensor]:

@@ -24,17 +24,18 @@ and handed to the stages.
 - ``mask_truncated``: responses cut at ``rollout.max_new_tokens`` without EOS leave the actor's
   loss (``rollout.mask_truncated``): the score stage writes ``truncated``, the update reads it.
 - ``multi_turn``: rollouts run the agent loop (``rollout.tools`` or ``rollout.max_turns`` > 1)
-  and store a ``loss_mask`` (False on tool-message tokens): the advantage stage ANDs it into the
-  ``response_mask`` it writes (estimators, KL penalty, metrics) and logs ``agent/*``; the update
-  ANDs it into the actor's and the critic's masks (loss, entropy, KL loss, correction).
+  and store a ``loss_mask`` (False on tool-message tokens): the training steps read it as the
+  shard's ``response_mask`` (``tasks.shard``), which the estimators, the KL penalty, the losses
+  and the metrics all take; the advantage stage logs ``agent/*``.
 - ``distill``: on-policy distillation's mode (``algorithm.distill``; None: off). The score
   stage writes the teacher's ``teacher_logprobs`` (``Scoring.teacher``); the student's are the
   policy's stored log-probs (recomputed unless ``algorithm.old_logprobs: rollout``). The
   advantage stage logs ``distill/*`` and, in ``reverse_kl`` mode, adds the signal to the
   advantages; in ``kl_loss`` mode the update reads ``teacher_logprobs`` for its loss term.
-- ``advantage_reads`` and ``update_fields``: what those two stages read (the update takes the
-  policy's log-probs field under the name ``old_logprobs``, and the behaviour policy's
-  ``rollout_logprobs`` for the correction and the ``rollout_corr/*`` metrics).
+- ``advantage_reads`` and ``update_reads``: what those two stages read (the update clips against
+  ``old_logprobs``, or ``rollout_logprobs`` when ``old_logprobs`` says so, and takes the
+  behaviour policy's ``rollout_logprobs`` for the correction and the ``rollout_corr/*``
+  metrics).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class StepPlan:
     multi_turn: bool
     distill: Literal["reverse_kl", "kl_loss"] | None
     advantage_reads: tuple[str, ...]
-    update_fields: dict[str, str]
+    update_reads: tuple[str, ...]
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> StepPlan:
@@ -128,26 +129,20 @@ class StepPlan:
         policy: tuple[str, ...] = (
             (old, "ref_logprobs") if kl_at == "advantage" and old is not None else ()
         )
-        # 3. The update's fields: stored name → the name it takes them under.
-        update: dict[str, str] = {"advantages": "advantages"}
-        if old is not None:
-            update[old] = "old_logprobs"
-        if kl_loss or kl_at == "update":
-            update["ref_logprobs"] = "ref_logprobs"
-        if old != "rollout_logprobs":  # the behaviour policy (read as old_logprobs otherwise)
-            update["rollout_logprobs"] = "rollout_logprobs"
-        if cfg.rollout.mask_truncated:
-            update["truncated"] = "truncated"
-        if critic:
-            update.update(values="values", returns="returns")
+        # 3. The update's fields.
         multi_turn = cfg.rollout.multi_turn
-        if multi_turn:
-            update["loss_mask"] = "loss_mask"
         distill = algo.distill.mode if algo.distills else None
+        update = (
+            ("prompt_ids", "response_ids", "advantages", "rollout_logprobs")
+            + (("old_logprobs",) if old == "old_logprobs" else ())
+            + (("ref_logprobs",) if kl_loss or kl_at == "update" else ())
+            + (("truncated",) if cfg.rollout.mask_truncated else ())
+            + (("values", "returns") if critic else ())
+            + (("loss_mask",) if multi_turn else ())
+            + (("teacher_logprobs",) if distill == "kl_loss" else ())
+        )
         if distill is not None and old is not None:  # old is never None when distilling
             policy = tuple(dict.fromkeys((*policy, old, "teacher_logprobs")))
-        if distill == "kl_loss":
-            update["teacher_logprobs"] = "teacher_logprobs"
         return cls(
             scoring=Scoring.for_training(cfg),
             old_logprobs=old,
@@ -164,7 +159,7 @@ class StepPlan:
             + policy
             + (("values",) if critic else ())
             + (AGENT_READS if multi_turn else ()),
-            update_fields=update,
+            update_reads=update,
         )
 
 

@@ -261,7 +261,7 @@ def direct_iteration(worker: Any, ctx: Any, data: Any, step: int) -> dict[str, f
             update_rows,
             meta,
             step=step,
-            fields=ctx.plan.update_fields,
+            reads=ctx.plan.update_reads,
             actor=actor_settings(cfg, 1),
             critic=critic_settings(cfg, 1) if ctx.plan.critic else None,
         )

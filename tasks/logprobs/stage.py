@@ -1,16 +1,18 @@
 """logprobs: ``old_logprobs`` (actor), ``ref_logprobs`` (reference) and ``values`` (critic).
 
-The training workers each take a shard of the batch (``forward_rows``): read ``prompt_ids``
-and ``response_ids``, run the passes of the step plan (``StepPlan.forward_passes``, see
-``tasks.plan``) — the actor's log-probabilities of the sampled tokens at the rollout temperature
-unless the update takes its own first forward pass (or the rollout's) as ``old_logprobs``; the
-frozen reference's whenever the run holds a reference (a KL in the reward, a KL loss, or
-``algorithm.kl.monitor``); the critic's values when the estimator is GAE — each model woken in
-turn — and write them back. The flow leaves the task out when the plan has no pass.
+The training workers each take a shard of the batch and run the declared steps of the step
+plan's passes (``StepPlan.forward_passes``, see ``tasks.plan``; ``FORWARD_STEPS``), each over
+``prompt_ids`` and ``response_ids`` with its model awake — the actor's log-probabilities of the
+sampled tokens at the rollout temperature unless the update takes its own first forward pass (or
+the rollout's) as ``old_logprobs``; the frozen reference's whenever the run holds a reference (a
+KL in the reward, a KL loss, or ``algorithm.kl.monitor``); the critic's values when the
+estimator is GAE — and ``tasks.step.run_steps`` writes what they computed. The flow leaves the
+task out when the plan has no pass.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -24,24 +26,15 @@ from tasks.batching import (
     count_token_micro_batches,
     gather_response_logprobs,
     gather_response_values,
-    pack_batch,
     token_micro_batches,
 )
-from tasks.context import StageContext, faults_at
-from tasks.io import from_padded, rows
+from tasks.context import Metrics, StageContext, faults_at
+from tasks.io import from_padded
 from tasks.plan import ForwardPass
+from tasks.shard import Shard
+from tasks.step import Awake, WorkerStep, run_steps
 
 READS = ("prompt_ids", "response_ids")
-
-
-def read_packed(worker: ModelWorker, shard: BatchMeta) -> PackedBatch:
-    """My shard's prompts and responses as one right-padded causal-LM batch."""
-    data = worker.read(shard, READS)
-    return pack_batch(
-        prompt_ids=rows(data["prompt_ids"]),
-        response_ids=rows(data["response_ids"]),
-        pad_id=worker.pad_id,
-    )
 
 
 def agree_count(worker: ModelWorker, n: int) -> int:
@@ -158,28 +151,40 @@ def response_values(
     return micro_forward(worker, model, batch, gather, count_reducer=count_reducer)
 
 
-def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[ForwardPass, ...]) -> None:
-    """Worker side: read my samples → the forward passes of ``names`` → write them."""
-    batch = read_packed(worker, shard)
-    n = batch.response_lengths
+def _pass(
+    worker: ModelWorker, module: torch.nn.Module | None, shard: Shard, *, name: ForwardPass
+) -> tuple[Shard, Metrics]:
+    """The forward pass ``name`` over the shard with its model (``module``) awake."""
+    assert module is not None, "a forward pass runs with its model awake"
+    batch = shard.packed(worker.pad_id)
 
     def agree(count: int) -> int:  # as many forward passes on every worker (FSDP collectives)
         return agree_count(worker, count)
 
-    out: dict[str, Tensor] = {}
-    if "old_logprobs" in names:
-        with worker.awake("actor") as actor:
-            logprobs = response_logprobs(worker, actor.module, batch, count_reducer=agree)
-            out["old_logprobs"] = from_padded(logprobs, n)
-    if "ref_logprobs" in names:
-        with worker.reference() as ref:
-            logprobs = response_logprobs(worker, ref, batch, count_reducer=agree, section="ref")
-            out["ref_logprobs"] = from_padded(logprobs, n)
-    if "values" in names:
-        with worker.awake("critic") as critic:
-            values = response_values(worker, critic.module, batch, count_reducer=agree)
-            out["values"] = from_padded(values, n)
-    worker.write(shard, out)
+    if name == "values":
+        out = response_values(worker, module, batch, count_reducer=agree)
+    else:
+        section: Literal["logprobs", "ref"] = "ref" if name == "ref_logprobs" else "logprobs"
+        out = response_logprobs(worker, module, batch, count_reducer=agree, section=section)
+    computed = Shard(batch_size=shard.batch_size)
+    setattr(computed, name, from_padded(out, batch.response_lengths))
+    return computed, {}
+
+
+def _forward_step(name: ForwardPass, awake: Awake) -> WorkerStep:
+    return WorkerStep(name, READS, awake, functools.partial(_pass, name=name), (name,))
+
+
+FORWARD_STEPS: dict[ForwardPass, WorkerStep] = {  # one declared step per pass
+    "old_logprobs": _forward_step("old_logprobs", "actor"),
+    "ref_logprobs": _forward_step("ref_logprobs", "reference"),
+    "values": _forward_step("values", "critic"),
+}
+
+
+def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[ForwardPass, ...]) -> None:
+    """Worker side: the declared steps of the passes ``names``, in that order."""
+    run_steps(worker, shard, tuple(FORWARD_STEPS[name] for name in names))
 
 
 @faults_at("logprobs", lambda ctx: ctx.rt.train_group)

@@ -1,7 +1,8 @@
 """update: PPO update of the actor (and critic) on the training workers, then weight sync.
 
-The batch is sharded over the data-parallel training workers; each worker reads its rows
-(``update_rows``), runs ``tasks.update.optimize`` on them and sends back its metrics. Losses are
+The batch is sharded over the data-parallel training workers; each worker runs the update's
+declared steps on its rows (``update_steps``, ``tasks.step``: the critic's, then the actor's,
+each ``tasks.update.optimize`` on the shard) and sends back its metrics. Losses are
 normalised by the batch's global token and sequence counts (summed over the workers with an
 all-reduce) and the gradients are summed by the training strategy (``infra.training``: FSDP2's
 reduce-scatter), so N workers make the same update as one. After the
@@ -14,9 +15,9 @@ batch sizes are the configured (global) ones divided by the world size (``actor_
 The actor's loss is corrected against the behaviour policy's ``rollout_logprobs`` as the step
 plan says (``StepPlan.rollout_correction``, ``tasks.update.correction``), and rows the plan
 masks (``truncated``, with ``rollout.mask_truncated``) leave the actor's loss mask only: their
-advantages were already computed with their group, and the critic still fits them. In a
-multi-turn run (``StepPlan.multi_turn``) the stored ``loss_mask`` leaves tool-message tokens out
-of both the actor's and the critic's masks.
+advantages were already computed with their group, and the critic still fits them. Both
+train on the shard's ``response_mask``: in a multi-turn run the stored ``loss_mask`` folded in
+(``tasks.shard``), which leaves tool-message tokens out.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.batching import PackedBatch
 from tasks.context import Metrics, StageContext, StageResult, faults_at
-from tasks.io import padded
-from tasks.logprobs.stage import agree_count, read_packed
+from tasks.logprobs.stage import agree_count
+from tasks.shard import Shard
+from tasks.step import WorkerStep, run_steps
 from tasks.update.optimize import (
     ActorUpdateSettings,
     CriticUpdateSettings,
@@ -62,88 +64,107 @@ def _global_units(
     return list(units.tolist())
 
 
+def _batches(worker: ModelWorker, shard: Shard) -> tuple[PackedBatch, PackedBatch]:
+    """``(batch, actor_batch)``: the packed batch with the shard's ``response_mask`` (the
+    sampled tokens: the critic's), and the same without the truncated rows when the shard holds
+    ``truncated`` (the actor's)."""
+    packed = shard.packed(worker.pad_id)
+    width = packed.response_mask.shape[1]
+    batch = dataclasses.replace(packed, response_mask=shard.padded("response_mask", width))
+    if shard.truncated is None:
+        return batch, batch
+    kept = batch.response_mask & ~shard.truncated.to(torch.bool).unsqueeze(1)  # (B, T)
+    return batch, dataclasses.replace(batch, response_mask=kept)
+
+
+def _optional(shard: Shard, name: str, width: int) -> Tensor | None:
+    """The jagged field ``name`` padded to (B, ``width``), None when the shard holds none."""
+    return None if getattr(shard, name) is None else shard.padded(name, width)
+
+
+def _actor_step(
+    worker: ModelWorker,
+    module: torch.nn.Module | None,
+    shard: Shard,
+    *,
+    settings: ActorUpdateSettings,
+) -> tuple[Shard, Metrics]:
+    """The actor's update on the shard, then the new policy version published.
+
+    1. π_old is the stored ``old_logprobs``, the rollout's ``rollout_logprobs`` when the
+       settings say so (``old_is_rollout``), or None (the update's own first forward pass).
+    2. The update (``tasks.update.optimize.actor_update``).
+    3. The new policy's log-probs of the weight-sync probe, with the actor still awake, and the
+       new version published: its weights go into a colocated rollout engine, which checks
+       them against the probe when it next wakes.
+    """
+    assert module is not None, "the actor's update runs with the actor awake"
+    _, batch = _batches(worker, shard)
+    width = batch.response_mask.shape[1]
+    # 1.
+    rollout = _optional(shard, "rollout_logprobs", width)
+    old = rollout if settings.old_is_rollout else _optional(shard, "old_logprobs", width)
+    # 2.
+    metrics = actor_update(
+        **_trainer_inputs(worker, worker.actor, settings, batch),
+        old_logprobs=old,
+        advantages=shard.padded("advantages", width),
+        ref_logprobs=_optional(shard, "ref_logprobs", width),
+        rollout_logprobs=None if settings.old_is_rollout else rollout,
+        teacher_logprobs=_optional(shard, "teacher_logprobs", width),
+        cfg=settings,
+    )
+    # 3.
+    worker.publish_policy(worker.trainer_probe(module))
+    return Shard(batch_size=shard.batch_size), metrics
+
+
+def _critic_step(
+    worker: ModelWorker,
+    module: torch.nn.Module | None,
+    shard: Shard,
+    *,
+    settings: CriticUpdateSettings,
+) -> tuple[Shard, Metrics]:
+    """The critic's update on the shard (every sampled token, truncated rows included)."""
+    batch, _ = _batches(worker, shard)
+    width = batch.response_mask.shape[1]
+    metrics = critic_update(
+        **_trainer_inputs(worker, worker.critic, settings, batch),
+        old_values=shard.padded("values", width),
+        returns=shard.padded("returns", width),
+        cfg=settings,
+    )
+    return Shard(batch_size=shard.batch_size), metrics
+
+
+def update_steps(
+    reads: tuple[str, ...], actor: ActorUpdateSettings, critic: CriticUpdateSettings | None
+) -> tuple[WorkerStep, ...]:
+    """The update's worker steps: the critic's (when the run has one) and then the actor's,
+    whose step publishes the new policy. Both read ``reads`` (``StepPlan.update_reads``) and
+    write nothing to the store."""
+    actor_step = WorkerStep(
+        "update/actor", reads, "actor", functools.partial(_actor_step, settings=actor), ()
+    )
+    if critic is None:
+        return (actor_step,)
+    critic_step = functools.partial(_critic_step, settings=critic)
+    return (WorkerStep("update/critic", reads, "critic", critic_step, ()), actor_step)
+
+
 def update_rows(
     worker: ModelWorker,
     shard: BatchMeta,
     *,
     step: int,
-    fields: dict[str, str],
+    reads: tuple[str, ...],
     actor: ActorUpdateSettings,
     critic: CriticUpdateSettings | None,
 ) -> Metrics:
-    """Worker side, at most once per step (``ModelWorker.once``): read my samples → one PPO
-    update of the actor (and critic) → new policy version. ``fields`` maps the store's field
-    names to the names the update takes them under (``StepPlan.update_fields``)."""
-    return worker.once(
-        f"update@{step}", lambda: _update(worker, shard, fields=fields, actor=actor, critic=critic)
-    )
-
-
-def _update(
-    worker: ModelWorker,
-    shard: BatchMeta,
-    *,
-    fields: dict[str, str],
-    actor: ActorUpdateSettings,
-    critic: CriticUpdateSettings | None,
-) -> dict[str, float]:
-    """1. Read the shard (``_update_inputs``). 2. The actor's update, then the new policy's
-    log-probs of the weight-sync probe. 3. The critic's update. 4. Publish the new version."""
-    # 1.
-    batch, actor_batch, given = _update_inputs(worker, shard, fields)
-    metrics: dict[str, float] = {}
-    # 2.
-    with worker.awake("actor") as model:
-        metrics.update(
-            actor_update(
-                **_trainer_inputs(worker, model, actor, actor_batch),
-                old_logprobs=given.get("old_logprobs"),
-                advantages=given["advantages"],
-                ref_logprobs=given.get("ref_logprobs"),
-                rollout_logprobs=given.get("rollout_logprobs"),
-                teacher_logprobs=given.get("teacher_logprobs"),
-                cfg=actor,
-            )
-        )
-        # The new policy's log-probs of the weight-sync probe, for a colocated rollout engine.
-        probe = worker.trainer_probe(model.module)
-    # 3.
-    if critic is not None:
-        with worker.awake("critic") as model:
-            metrics.update(
-                critic_update(
-                    **_trainer_inputs(worker, model, critic, batch),
-                    old_values=given["values"],
-                    returns=given["returns"],
-                    cfg=critic,
-                )
-            )
-    # 4.
-    worker.publish_policy(probe)
-    return metrics
-
-
-def _update_inputs(
-    worker: ModelWorker, shard: BatchMeta, fields: dict[str, str]
-) -> tuple[PackedBatch, PackedBatch, dict[str, torch.Tensor]]:
-    """``(batch, actor_batch, given)`` of my samples: the packed batch with the multi-turn
-    ``loss_mask`` folded into its response mask (the critic's), the same without truncated
-    rows (the actor's), and the per-token fields padded to the batch's (B, T) under the names
-    the update takes them by."""
-    batch = read_packed(worker, shard)
-    data = worker.read(shard, tuple(fields))
-    truncated = data.pop("truncated", None)  # (B,) bool: rows left out of the actor's loss
-    loss_mask = data.pop("loss_mask", None)  # jagged bool: False on tool tokens (multi-turn)
-    width = batch.response_mask.shape[1]
-    if loss_mask is not None:
-        sampled = batch.response_mask & padded(loss_mask, width).bool()  # (B, T)
-        batch = dataclasses.replace(batch, response_mask=sampled)
-    given = {fields[name]: padded(value, width).float() for name, value in data.items()}
-    actor_batch = batch
-    if truncated is not None:
-        kept = batch.response_mask & ~truncated.to(torch.bool).unsqueeze(1)  # (B, T)
-        actor_batch = dataclasses.replace(batch, response_mask=kept)
-    return batch, actor_batch, given
+    """Worker side, at most once per step (``run_steps``'s ``once``): the update's steps
+    (``update_steps``) on my samples; returns their metrics."""
+    return run_steps(worker, shard, update_steps(reads, actor, critic), once=f"update@{step}")
 
 
 def _trainer_inputs(
@@ -217,7 +238,7 @@ def update(ctx: StageContext, meta: BatchMeta, step: int) -> StageResult:
         update_rows,
         meta,
         step=step,
-        fields=ctx.plan.update_fields,
+        reads=ctx.plan.update_reads,
         actor=actor_settings(ctx.cfg, world, ctx.plan),
         critic=critic_settings(ctx.cfg, world) if ctx.plan.critic else None,
     )

@@ -88,7 +88,7 @@ def test_a_padless_policy_generates_scores_and_updates(tmp_path: Path) -> None:
         update_rows,
         samples,
         step=0,
-        fields={"advantages": "advantages"},
+        reads=("prompt_ids", "response_ids", "advantages"),
         actor=actor_settings(cfg, 1),
         critic=None,
     )

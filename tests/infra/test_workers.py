@@ -3,6 +3,8 @@ reads its rows from the store and writes its results back; turns, weight sync, d
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -111,7 +113,7 @@ def test_update_changes_the_actor_and_syncs_the_rollout_engine(worker: ModelWork
         update_rows,
         samples,
         step=0,
-        fields={n: n for n in ("old_logprobs", "advantages", "values", "returns")},
+        reads=("prompt_ids", "response_ids", "old_logprobs", "advantages", "values", "returns"),
         actor=actor_settings(worker.cfg, 1),
         critic=critic_settings(worker.cfg, 1),
     )
@@ -222,8 +224,9 @@ def test_data_parallel_update_equals_one_worker(ray_local, assets) -> None:
             group = WorkerGroup(pool, _spec(assets, ("actor",), store.url), call_timeout_s=120)
             try:
                 kwargs = {
-                    "fields": {"rollout_logprobs": "old_logprobs", "advantages": "advantages"},
-                    "actor": actor_settings(gen.cfg, size),
+                    "reads": ("prompt_ids", "response_ids", "rollout_logprobs", "advantages"),
+                    # π_old: the rollout's log-probs
+                    "actor": replace(actor_settings(gen.cfg, size), old_is_rollout=True),
                     "critic": None,
                 }
                 metrics.append(

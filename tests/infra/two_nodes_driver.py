@@ -11,6 +11,8 @@ import sys
 
 def main(root: str, policy: str, tokenizer: str, address: str, ifname: str) -> dict[int, object]:
     sys.path.insert(0, root)
+    from dataclasses import replace
+
     import ray
     import torch
     from transformers import AutoTokenizer
@@ -82,8 +84,9 @@ def main(root: str, policy: str, tokenizer: str, address: str, ifname: str) -> d
                 update_rows,
                 samples,
                 step=0,
-                fields={"rollout_logprobs": "old_logprobs", "advantages": "advantages"},
-                actor=actor_settings(cfg, size),
+                reads=("prompt_ids", "response_ids", "rollout_logprobs", "advantages"),
+                # π_old: the rollout's log-probs
+                actor=replace(actor_settings(cfg, size), old_is_rollout=True),
                 critic=None,
             )
         )

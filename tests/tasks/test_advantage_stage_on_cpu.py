@@ -10,6 +10,7 @@ from tasks.advantage.stage import compute
 from tasks.io import nested
 from tasks.kl import AdaptiveKLController
 from tasks.plan import StepPlan
+from tasks.shard import shard_of
 
 
 def test_a_retried_advantage_leaves_the_kl_controller_unmoved() -> None:
@@ -34,8 +35,8 @@ def test_a_retried_advantage_leaves_the_kl_controller_unmoved() -> None:
         "ref_logprobs": nested([torch.full((n,), -2.0) for n in lengths]),
     }
     plan = StepPlan.from_config(cfg)
-    first = compute(cfg, data, plan=plan, kl_coef=controller.value)
-    again = compute(cfg, data, plan=plan, kl_coef=controller.value)
+    first = compute(cfg, shard_of(data, 4), plan=plan, kl_coef=controller.value)
+    again = compute(cfg, shard_of(data, 4), plan=plan, kl_coef=controller.value)
     assert controller.value == 0.1  # not moved by either attempt
     for name in ("token_rewards", "advantages", "returns"):
         torch.testing.assert_close(first.tensors[name], again.tensors[name])

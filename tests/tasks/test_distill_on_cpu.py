@@ -11,6 +11,7 @@ from infra.config import ConfigError, load_config
 from tasks.advantage.stage import compute, distill
 from tasks.io import nested
 from tasks.plan import StepPlan
+from tasks.shard import Shard, shard_of
 
 TEACHER = "models.teacher=/models/teacher"
 
@@ -27,13 +28,13 @@ def test_the_plan_scores_with_the_teacher_and_recomputes_the_students_logprobs(m
     # The default would skip the recompute (one on-policy step): distillation needs it.
     assert plan.old_logprobs == "old_logprobs" and "old_logprobs" in plan.forward_passes
     assert {"old_logprobs", "teacher_logprobs"} <= set(plan.advantage_reads)
-    assert ("teacher_logprobs" in plan.update_fields) is (mode == "kl_loss")
+    assert ("teacher_logprobs" in plan.update_reads) is (mode == "kl_loss")
 
 
 def test_without_distillation_nothing_reads_or_writes_teacher_logprobs() -> None:
     plan = StepPlan.from_config(load_config(None, []))
     assert plan.distill is None and not plan.scoring.teacher
-    fields = (*plan.scoring.writes, *plan.advantage_reads, *plan.update_fields)
+    fields = (*plan.scoring.writes, *plan.advantage_reads, *plan.update_reads)
     assert "teacher_logprobs" not in fields
 
 
@@ -61,6 +62,10 @@ def test_pure_distillation_is_a_run_without_any_reward() -> None:
     assert not cfg.uses_reward_model and not cfg.reward.functions and cfg.algorithm.distills
 
 
+def _shard(data: dict[str, torch.Tensor]) -> Shard:
+    return shard_of(data, len(data["old_logprobs"]))
+
+
 def _data(student: list[list[float]], teacher: list[list[float]]) -> dict[str, torch.Tensor]:
     return {
         "old_logprobs": nested([torch.tensor(r) for r in student]),
@@ -75,7 +80,7 @@ def test_reverse_kl_adds_the_discounted_signal_to_the_advantages() -> None:
     data = _data([[-1.0, -2.0, -1.0], [-1.0, -1.0]], [[-0.5, -3.0, -1.0], [-2.0, -1.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     base = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]])
-    advantages, metrics = distill(cfg, data, plan=plan, mask=mask, advantages=base)
+    advantages, metrics = distill(cfg, _shard(data), plan=plan, mask=mask, advantages=base)
     # d = teacher - student: row 0 [0.5, -1, 0]; row 1 [-1, 0].
     # Discounted sums (gamma 0.5): row 0 [0.5 - 0.5, -1, 0] = [0, -1, 0]; row 1 [-1, 0].
     expected = base + 2.0 * torch.tensor([[0.0, -1.0, 0.0], [-1.0, 0.0, 0.0]])
@@ -90,12 +95,18 @@ def test_tool_tokens_carry_no_signal_and_kl_loss_mode_leaves_the_advantages() ->
     plan = StepPlan.from_config(cfg)
     data = _data([[-1.0, -5.0, -1.0]], [[-2.0, -1.0, -1.0]])
     mask = torch.tensor([[True, False, True]])  # the middle token is a tool's
-    advantages, metrics = distill(cfg, data, plan=plan, mask=mask, advantages=torch.zeros(1, 3))
+    advantages, metrics = distill(
+        cfg, _shard(data), plan=plan, mask=mask, advantages=torch.zeros(1, 3)
+    )
     assert torch.allclose(advantages, torch.tensor([[-1.0, 0.0, 0.0]]))
     assert metrics["distill/reverse_kl/mean"] == pytest.approx(0.5)
     as_loss = _cfg("algorithm.distill.mode=kl_loss")
     unchanged, _ = distill(
-        as_loss, data, plan=StepPlan.from_config(as_loss), mask=mask, advantages=torch.ones(1, 3)
+        as_loss,
+        _shard(data),
+        plan=StepPlan.from_config(as_loss),
+        mask=mask,
+        advantages=torch.ones(1, 3),
     )
     assert torch.equal(unchanged, torch.ones(1, 3))
 
@@ -109,7 +120,7 @@ def test_the_advantage_stage_with_grpo_and_no_reward_is_the_distillation_signal_
         "scores": torch.zeros(2),
         "group_ids": torch.tensor([0, 0]),
     }
-    out = compute(cfg, data, plan=plan, kl_coef=0.0)
+    out = compute(cfg, _shard(data), plan=plan, kl_coef=0.0)
     # All scores equal: GRPO's advantages are 0, what is left is the signal's discounted sum.
     assert torch.allclose(out.tensors["advantages"], torch.tensor([[0.0, 0.5], [1.0, 0.0]]))
     assert "distill/reverse_kl/mean" in out.metrics

@@ -28,7 +28,7 @@ def test_old_logprobs_are_recomputed_only_when_the_update_is_not_one_on_policy_s
     assert (plan.old_logprobs == "old_logprobs") is recompute
     assert ("old_logprobs" in plan.forward_passes) is recompute
     if not recompute:  # the update's own first forward pass is its old policy
-        assert plan.old_logprobs is None and "old_logprobs" not in plan.update_fields
+        assert plan.old_logprobs is None and "old_logprobs" not in plan.update_reads
 
 
 @pytest.mark.parametrize(
@@ -48,8 +48,7 @@ def test_rollout_old_logprobs_replace_the_recompute_pass_in_every_reader(
     plan = StepPlan.from_config(cfg)
     assert plan.old_logprobs == "rollout_logprobs"
     assert "old_logprobs" not in plan.forward_passes
-    fields = plan.update_fields  # stored name → the name the update takes it under
-    assert fields["rollout_logprobs"] == "old_logprobs" and "old_logprobs" not in fields
+    assert "rollout_logprobs" in plan.update_reads and "old_logprobs" not in plan.update_reads
     assert ("rollout_logprobs" in plan.advantage_reads) is cfg.algorithm.use_reference
 
 
@@ -58,14 +57,14 @@ def test_kl_to_ref_is_measured_in_one_place() -> None:
     else by the update from its first forward pass (then the update reads the reference's)."""
     on_policy = StepPlan.from_config(load_config(None, ["algorithm.kl.monitor=true"]))
     assert on_policy.old_logprobs is None and on_policy.kl_to_ref_at == "update"
-    assert "ref_logprobs" in on_policy.update_fields
+    assert "ref_logprobs" in on_policy.update_reads
     assert "ref_logprobs" not in on_policy.advantage_reads
     stored = StepPlan.from_config(
         load_config(None, ["algorithm.kl.monitor=true", "algorithm.old_logprobs=recompute"])
     )
     assert stored.kl_to_ref_at == "advantage"
     assert {"old_logprobs", "ref_logprobs"} <= set(stored.advantage_reads)
-    assert "ref_logprobs" not in stored.update_fields  # no KL loss: the update needs none
+    assert "ref_logprobs" not in stored.update_reads  # no KL loss: the update needs none
     off = StepPlan.from_config(load_config(None, ["algorithm.kl.monitor=false"]))
     assert off.kl_to_ref_at is None and "ref_logprobs" not in off.forward_passes
 
@@ -74,7 +73,7 @@ def test_a_kl_loss_makes_the_update_read_the_reference() -> None:
     plan = StepPlan.from_config(
         load_config(None, ["algorithm.kl.loss_coef=0.1", "algorithm.old_logprobs=recompute"])
     )
-    assert plan.kl_loss and "ref_logprobs" in plan.update_fields
+    assert plan.kl_loss and "ref_logprobs" in plan.update_reads
 
 
 @pytest.mark.parametrize(
@@ -97,15 +96,16 @@ def test_auto_rollout_correction_is_resolved_once_in_the_plan(
 
 
 @pytest.mark.parametrize("old", ["auto", "recompute"])
-def test_the_update_reads_the_behaviour_policy_under_its_own_name(old: str) -> None:
-    """For the correction and the rollout_corr/* metrics, every step; with
-    old_logprobs=rollout it already reads them, as its old policy."""
+def test_the_update_reads_the_behaviour_policy_every_step(old: str) -> None:
+    """For the correction and the rollout_corr/* metrics; with old_logprobs=rollout it reads
+    them as its old policy too."""
     plan = StepPlan.from_config(load_config(None, [f"algorithm.old_logprobs={old}"]))
-    assert plan.update_fields["rollout_logprobs"] == "rollout_logprobs"
+    assert "rollout_logprobs" in plan.update_reads
+    assert ("old_logprobs" in plan.update_reads) is (plan.old_logprobs == "old_logprobs")
 
 
 def test_mask_truncated_makes_the_update_read_truncated() -> None:
     off = StepPlan.from_config(load_config(None, []))
-    assert not off.mask_truncated and "truncated" not in off.update_fields
+    assert not off.mask_truncated and "truncated" not in off.update_reads
     on = StepPlan.from_config(load_config(None, ["rollout.mask_truncated=true"]))
-    assert on.mask_truncated and on.update_fields["truncated"] == "truncated"
+    assert on.mask_truncated and "truncated" in on.update_reads

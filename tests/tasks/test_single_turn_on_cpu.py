@@ -28,7 +28,9 @@ from tasks.advantage.stage import compute
 from tasks.generate import stage as generate_stage
 from tasks.io import nested
 from tasks.plan import AGENT_READS, StepPlan
-from tasks.update.stage import _update
+from tasks.shard import shard_of
+from tasks.step import run_steps
+from tasks.update.stage import update_steps
 
 PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -41,7 +43,7 @@ def test_no_single_turn_preset_plans_the_agent_path(preset: str, estimator: str 
     cfg = load_config(configs / f"{preset}.yaml", extra)
     plan = StepPlan.from_config(cfg)
     assert not cfg.rollout.multi_turn and not plan.multi_turn
-    assert "loss_mask" not in plan.update_fields
+    assert "loss_mask" not in plan.update_reads
     assert not set(AGENT_READS) & set(plan.advantage_reads)
 
 
@@ -100,8 +102,10 @@ def test_an_all_true_loss_mask_changes_no_advantage(estimator: str) -> None:
         "loss_mask": nested([torch.ones(n, dtype=torch.bool) for n in lengths]),
         **{k: torch.ones(4, dtype=torch.int64) for k in AGENT_READS if k != "loss_mask"},
     }
-    one = compute(single, data, plan=StepPlan.from_config(single), kl_coef=0.0)
-    two = compute(multi, {**data, **agent}, plan=StepPlan.from_config(multi), kl_coef=0.0)
+    one = compute(single, shard_of(data, 4), plan=StepPlan.from_config(single), kl_coef=0.0)
+    two = compute(
+        multi, shard_of({**data, **agent}, 4), plan=StepPlan.from_config(multi), kl_coef=0.0
+    )
     assert set(one.tensors) == set(two.tensors)
     for name, tensor in one.tensors.items():
         assert torch.equal(tensor, two.tensors[name]), name
@@ -126,16 +130,18 @@ def test_an_all_true_loss_mask_changes_no_weight() -> None:
         },
     )
     reference = tiny_policy(seed=5)
-    settings = actor_settings("token-mean", micro=4, ppo_epochs=1, kl_loss_coef=0.0)
-    fields = {"advantages": "advantages", "rollout_logprobs": "old_logprobs"}
+    settings = actor_settings(
+        "token-mean", micro=4, ppo_epochs=1, kl_loss_coef=0.0, old_is_rollout=True
+    )
+    reads = ("prompt_ids", "response_ids", "advantages", "rollout_logprobs")
 
-    def update(extra: dict[str, str]) -> torch.nn.Module:
+    def update(extra: tuple[str, ...]) -> torch.nn.Module:
         worker = StandInWorker(store, copy.deepcopy(reference))
         shard = BatchMeta("train/step-000001", tuple(keys), ())
-        _update(worker, shard, fields={**fields, **extra}, actor=settings, critic=None)  # type: ignore[arg-type]
+        run_steps(worker, shard, update_steps((*reads, *extra), settings, None))  # type: ignore[arg-type]
         return worker.actor.module
 
-    single, multi = update({}), update({"loss_mask": "loss_mask"})
+    single, multi = update(()), update(("loss_mask",))
     assert not torch.equal(next(single.parameters()), next(reference.parameters()))
     for (name, a), b in zip(single.named_parameters(), multi.parameters(), strict=True):
         assert torch.equal(a, b), name

@@ -21,8 +21,10 @@ from test_optimize_on_cpu import (  # helpers of the fixed-row update tests
 )
 from torch import nn
 
+from infra.config import load_config
 from storage import BatchMeta, open_store
-from tasks.update.stage import MAXIMA, SHARED_LOSSES, _update, combine_worker_metrics
+from tasks.step import run_steps
+from tasks.update.stage import MAXIMA, SHARED_LOSSES, combine_worker_metrics, update_steps
 
 
 def test_worker_metrics_sum_losses_take_the_max_of_maxima_and_average_the_rest() -> None:
@@ -49,14 +51,15 @@ class Spec:
 
 
 class StandInWorker:
-    """What ``_update`` uses of a ``ModelWorker``: reads from a store, one awake actor."""
+    """What ``run_steps`` and the update's steps use of a ``ModelWorker``: a store, one awake
+    actor."""
 
     def __init__(self, store: Any, model: nn.Module) -> None:
-        self.store, self.spec, self.pad_id = store, Spec(), 0
+        self.store, self.spec, self.pad_id, self.cfg = store, Spec(), 0, load_config(None, [])
         self.actor = Role(model, torch.optim.SGD(model.parameters(), lr=0.5))
 
-    def read(self, meta: BatchMeta, fields: tuple[str, ...]) -> dict[str, Any]:
-        return self.store.get_fields(meta, fields, timeout=1.0)
+    def write(self, meta: BatchMeta, fields: dict[str, Any]) -> None:
+        raise AssertionError(f"the update wrote {sorted(fields)}: it writes nothing")
 
     @contextlib.contextmanager
     def awake(self, role: str) -> Iterator[Role]:
@@ -94,18 +97,13 @@ def test_truncated_rows_leave_the_actors_loss_as_if_they_were_not_there() -> Non
     settings = actor_settings(
         "token-mean", micro=8, ppo_epochs=1, kl_loss_coef=0.0, rollout_correction="token_truncate"
     )
-    fields = {name: name for name in ("advantages", "rollout_logprobs")}
+    reads = ("prompt_ids", "response_ids", "advantages", "rollout_logprobs")
 
     def update(rows: list[int], masked: bool) -> tuple[nn.Module, dict[str, float]]:
         worker = StandInWorker(store, copy.deepcopy(reference))
         shard = BatchMeta("train/step-000001", tuple(keys[i] for i in rows), ())
-        metrics = _update(
-            worker,  # type: ignore[arg-type]
-            shard,
-            fields={**fields, "truncated": "truncated"} if masked else fields,
-            actor=settings,
-            critic=None,
-        )
+        steps = update_steps((*reads, "truncated") if masked else reads, settings, None)
+        metrics = run_steps(worker, shard, steps)  # type: ignore[arg-type]
         return worker.actor.module, metrics
 
     masked, masked_metrics = update(list(range(6)), masked=True)
