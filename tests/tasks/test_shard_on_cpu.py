@@ -1,0 +1,150 @@
+"""The typed per-shard batch (tasks.shard) and the declared worker steps (tasks.step) over a real
+in-process store: the multi-turn ``loss_mask`` becomes the one ``response_mask`` every step
+takes; a step reads only what it declares and writes only what it declares, once per name."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from infra.config import load_config
+from storage import BatchMeta, open_store
+from tasks.advantage.stage import compute
+from tasks.context import Metrics
+from tasks.io import nested, padded
+from tasks.plan import StepPlan
+from tasks.shard import Shard, read_shard, shard_of
+from tasks.step import WorkerStep, run_steps
+
+PARTITION = "train/step-000001"
+KEYS = ("p0/0", "p0/1", "p1/0")
+LENGTHS = (3, 2, 4)
+
+
+class StoreWorker:
+    """What ``read_shard`` and ``run_steps`` use of a ``ModelWorker``: its store and config, its
+    writes, its ``once`` and one model per role."""
+
+    def __init__(self) -> None:
+        self.store, self.cfg, self.applied = open_store("memory://"), load_config(None, []), {}
+        self.woken: list[str] = []
+
+    def write(self, meta: BatchMeta, fields: dict[str, Any]) -> None:
+        self.store.kv_batch_put(list(meta.keys), meta.partition_id, fields)
+
+    def once(self, name: str, apply: Any) -> Any:
+        if name not in self.applied:
+            self.applied[name] = apply()
+        return self.applied[name]
+
+    @contextlib.contextmanager
+    def awake(self, role: str) -> Iterator[Any]:
+        self.woken.append(role)
+        yield type("Model", (), {"module": torch.nn.Identity()})()
+
+
+def _filled(loss_mask: bool) -> tuple[StoreWorker, BatchMeta]:
+    worker = StoreWorker()
+    fields: dict[str, Any] = {
+        "prompt_ids": [torch.arange(1, 3) for _ in KEYS],
+        "response_ids": [torch.arange(5, 5 + n) for n in LENGTHS],
+        "scores": torch.tensor([1.0, 0.0, 0.5]),
+        "group_ids": torch.tensor([0, 0, 1]),
+    }
+    if loss_mask:  # the first sample's last token and the last one's third are a tool's
+        fields["loss_mask"] = [
+            torch.tensor([True, True, False]),
+            torch.tensor([True, True]),
+            torch.tensor([True, True, False, True]),
+        ]
+    worker.store.kv_batch_put(list(KEYS), PARTITION, fields)
+    return worker, BatchMeta(PARTITION, KEYS, tuple(fields))
+
+
+def test_the_response_mask_is_the_loss_mask_when_stored_else_every_response_token() -> None:
+    worker, meta = _filled(loss_mask=True)
+    shard = read_shard(worker, meta, ("response_ids", "loss_mask"))  # type: ignore[arg-type]
+    assert shard.batch_size == torch.Size([3])
+    assert padded(shard.need("response_mask"), 4).tolist() == [
+        [True, True, False, False],
+        [True, True, False, False],
+        [True, True, False, True],
+    ]
+    single = read_shard(worker, meta, ("response_ids",))  # type: ignore[arg-type]
+    assert padded(single.need("response_mask"), 4).sum(dim=1).tolist() == list(LENGTHS)
+
+
+def test_a_field_the_step_did_not_read_is_none_and_needing_it_names_it() -> None:
+    worker, meta = _filled(loss_mask=False)
+    shard = read_shard(worker, meta, ("scores",))  # type: ignore[arg-type]
+    assert shard.response_ids is None and shard.response_mask is None
+    with pytest.raises(KeyError, match="'advantages'.*declare it in its reads"):
+        shard.need("advantages")
+
+
+def test_the_score_sits_on_the_last_sampled_token_and_tool_tokens_carry_no_advantage() -> None:
+    cfg = load_config(None, ["rollout.max_turns=2", "algorithm.norm_by_std=false"])
+    worker, meta = _filled(loss_mask=True)
+    counts = {k: torch.ones(3, dtype=torch.int64) for k in ("num_turns", "tool_calls")}
+    counts |= {k: torch.zeros(3, dtype=torch.int64) for k in ("tool_errors",)}
+    counts["truncated_tool_responses"] = torch.zeros(3, dtype=torch.int64)
+    worker.store.kv_batch_put(list(KEYS), PARTITION, counts)
+    plan = StepPlan.from_config(cfg)
+    shard = read_shard(worker, meta, plan.advantage_reads)  # type: ignore[arg-type]
+    out = compute(cfg, shard, plan=plan, kl_coef=0.0)
+    mask = out.tensors["response_mask"]
+    assert mask.tolist() == padded(shard.need("response_mask"), 4).tolist()
+    assert mask.sum().item() == 2 + 2 + 3
+    assert out.tensors["token_rewards"][2].tolist() == [0.0, 0.0, 0.0, 0.5]  # last sampled
+    assert out.tensors["token_rewards"][0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert not out.tensors["advantages"][~mask].any()  # tool tokens: no signal
+    assert out.tensors["advantages"][mask].abs().sum() > 0
+    assert out.metrics["agent/tool_calls/mean"] == 1.0
+
+
+def _double(worker: Any, module: Any, shard: Shard) -> tuple[Shard, Metrics]:
+    out = Shard(batch_size=shard.batch_size)
+    out.advantages = nested([2.0 * r.float() for r in shard.need("response_ids").unbind()])
+    return out, {"calls": 1.0}
+
+
+def _sum_of_advantages(worker: Any, module: Any, shard: Shard) -> tuple[Shard, Metrics]:
+    # a later step sees what an earlier one of the same sequence computed
+    return Shard(batch_size=shard.batch_size), {
+        "sum": float(shard.need("advantages").values().sum())
+    }
+
+
+def test_run_steps_reads_wakes_computes_and_writes_what_each_step_declares_once() -> None:
+    worker, meta = _filled(loss_mask=False)
+    steps = (
+        WorkerStep("double", ("response_ids",), "actor", _double, ("advantages",)),
+        WorkerStep("sum", (), None, _sum_of_advantages, ()),
+    )
+    first = run_steps(worker, meta, steps, once="double@1")  # type: ignore[arg-type]
+    again = run_steps(worker, meta, steps, once="double@1")  # type: ignore[arg-type]
+    assert first == again == {"calls": 1.0, "sum": 2.0 * (5 + 6 + 7 + 5 + 6 + 5 + 6 + 7 + 8)}
+    assert worker.woken == ["actor"]  # the retry applied nothing
+    stored = worker.store.get_fields(meta, ["advantages"], timeout=0)["advantages"]
+    assert padded(stored, 4)[2].tolist() == [10.0, 12.0, 14.0, 16.0]
+    assert set(worker.store.kv_list(PARTITION)[KEYS[0]]) == {
+        "prompt_ids",
+        "response_ids",
+        "scores",
+        "group_ids",
+        "advantages",
+    }
+
+
+def test_a_shard_of_a_dict_builds_the_same_mask_as_one_read_from_the_store() -> None:
+    worker, meta = _filled(loss_mask=True)
+    read = read_shard(worker, meta, ("response_ids", "loss_mask"))  # type: ignore[arg-type]
+    data = worker.store.get_fields(meta, ["response_ids", "loss_mask"], timeout=0)
+    built = shard_of(data, len(KEYS))
+    assert torch.equal(
+        padded(read.need("response_mask"), 4), padded(built.need("response_mask"), 4)
+    )
