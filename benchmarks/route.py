@@ -1,11 +1,13 @@
 """The reading route of one GRPO step: which of ppoflow's files a reader opens, following the
 code from ``ppoflow train`` to the step's checkpoint, and how often they go back to a file
-already left.
+already left; and the same for the step alone, from ``Trainer.one_step``'s call to its return
+(the step's checkpoint included), as one reads a step with the run already set up.
 
 The run is real (``ppoflow train --config tiny`` for one step, on the built-in tiny assets, no
 warm start): every process of it — the flow's and each Ray worker's — records the first call of
 each of ppoflow's functions (a reader reads a function once; imports are not reading), with its
-wall-clock time. Merged in
+wall-clock time, and again the first call of each inside the step (a window the flow process
+opens and closes with marker files that every process checks). Merged in
 time order and mapped to files, consecutive calls in one file collapse into one visit. The store
 (``storage/``) is read as a black box: its internals are left out.
 
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 PACKAGES = ("flows", "tasks", "infra")  # storage/ is the black box
+STEP = "Trainer.one_step"  # the step's window: from its call to its return
+STEP_MARKERS = ("step-started", "step-ended")
 
 
 def _importing(frame: Any) -> bool:
@@ -45,18 +49,31 @@ def install_tracer() -> None:
     ``$ROUTE_DIR/<pid>.jsonl`` (a Ray worker's setup hook, and the flow process's)."""
     root = os.environ["ROUTE_REPO"]
     out = Path(os.environ["ROUTE_DIR"]) / f"{os.getpid()}.jsonl"
-    seen: set[tuple[str, int]] = set()
+    markers = Path(os.environ["ROUTE_DIR"])
+    seen: set[tuple[str, int, int]] = set()
     lock = threading.Lock()
     prefixes = tuple(os.path.join(root, p) + os.sep for p in PACKAGES)
+    window = {"now": 0, "checked": 0.0}  # 0: before the step, 1: inside it, 2: after it
+
+    def current_window() -> int:
+        if window["now"] < 2 and time.monotonic() - window["checked"] > 0.02:
+            window["checked"] = time.monotonic()
+            window["now"] = sum((markers / name).exists() for name in STEP_MARKERS)
+        return int(window["now"])
 
     def profile(frame: Any, event: str, arg: Any) -> None:
+        code = frame.f_code
+        step_edge = event in ("call", "return") and code.co_qualname == STEP
+        if step_edge and code.co_filename.startswith(prefixes):  # the flow process's step
+            marker = STEP_MARKERS[0 if event == "call" else 1]
+            (markers / marker).touch()
+            window["now"], window["checked"] = (1 if event == "call" else 2), time.monotonic()
         if event != "call":
             return
-        code = frame.f_code
         path = code.co_filename
         if not path.startswith(prefixes) or not code.co_flags & inspect.CO_NEWLOCALS:
             return  # not ppoflow's, or a module or class body run at import
-        key = (path, code.co_firstlineno)
+        key = (path, code.co_firstlineno, current_window())
         if key in seen or _importing(frame):
             return
         with lock:
@@ -67,6 +84,8 @@ def install_tracer() -> None:
                 "t": time.time_ns(),
                 "file": os.path.relpath(path, root),
                 "function": code.co_qualname,
+                "line": code.co_firstlineno,
+                "window": key[2],
             }
             with out.open("a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -154,7 +173,11 @@ def run(repo: Path, work: Path) -> dict[str, Any]:
         for path in sorted((work / "trace").glob("*.jsonl"))
         for line in path.read_text().splitlines()
     ]
-    return route(records)
+    first: dict[tuple[str, int], dict[str, Any]] = {}  # the whole run reads a function once
+    for record in sorted(records, key=lambda r: r["t"]):
+        first.setdefault((record["file"], record["line"]), record)
+    whole = route(list(first.values()))
+    return {**whole, "one_step": route([r for r in records if r["window"] == 1])}
 
 
 def main() -> None:
@@ -168,13 +191,18 @@ def main() -> None:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     with tempfile.TemporaryDirectory(prefix="route") as tmp:
         result = run(args.repo.resolve(), Path(tmp))
-    print("| files opened | returns to a file left | functions read |")
-    print("|---:|---:|---:|")
-    print(
-        f"| {result['files_opened']} | {result['returns_to_a_file_left']} "
-        f"| {result['functions_read']} |"
-    )
+    print("| route | files opened | returns to a file left | functions read |")
+    print("|---|---:|---:|---:|")
+    for name, part in (
+        ("ppoflow train → checkpoint", result),
+        ("Trainer.one_step", result["one_step"]),
+    ):
+        print(
+            f"| {name} | {part['files_opened']} | {part['returns_to_a_file_left']} "
+            f"| {part['functions_read']} |"
+        )
     print("files, in the order first opened:", ", ".join(result["files"]))
+    print("the step's files:", ", ".join(result["one_step"]["files"]))
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=1) + "\n")
 

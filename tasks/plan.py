@@ -25,7 +25,7 @@ and handed to the stages.
   loss (``rollout.mask_truncated``): the score stage writes ``truncated``, the update reads it.
 - ``multi_turn``: rollouts run the agent loop (``rollout.tools`` or ``rollout.max_turns`` > 1)
   and store a ``loss_mask`` (False on tool-message tokens): the training steps read it as the
-  shard's ``response_mask`` (``tasks.shard``), which the estimators, the KL penalty, the losses
+  shard's ``response_mask`` (``tasks.step``), which the estimators, the KL penalty, the losses
   and the metrics all take; the advantage stage logs ``agent/*``.
 - ``distill``: on-policy distillation's mode (``algorithm.distill``; None: off). The score
   stage writes the teacher's ``teacher_logprobs`` (``Scoring.teacher``); the student's are the

@@ -8,7 +8,7 @@ argument and nothing here moves the controller: the task returns the batch's KL 
 (``AdvantageResult.reward_kl``) and the controller moves on it when the step commits
 (flows.loop), so a retried task computes the same rows. What the stage reads, and whether it
 measures ``actor/kl_to_ref``, is the step plan's (``tasks.plan``). In a multi-turn run the
-shard's ``response_mask`` is True on sampled tokens only (``tasks.shard``), the score sits on
+shard's ``response_mask`` is True on sampled tokens only (``tasks.step``), the score sits on
 the last sampled token, and the stage logs the ``agent/*`` metrics of the batch. With on-policy
 distillation (``algorithm.distill``) it reads the teacher's and the student's log-probs, logs
 ``distill/*`` and, in ``reverse_kl`` mode, adds the distillation signal to the advantages
@@ -34,8 +34,7 @@ from tasks.kl import apply_kl_penalty, kl_penalty
 from tasks.masks import last_true, masked_mean
 from tasks.plan import StepPlan
 from tasks.score.core import place_scores
-from tasks.shard import Shard
-from tasks.step import WorkerStep, run_steps
+from tasks.step import Shard, WorkerStep, run_steps
 
 WRITES = ("advantages", "returns")
 

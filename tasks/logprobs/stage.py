@@ -31,8 +31,7 @@ from tasks.batching import (
 from tasks.context import Metrics, StageContext, faults_at
 from tasks.io import from_padded
 from tasks.plan import ForwardPass
-from tasks.shard import Shard
-from tasks.step import Awake, WorkerStep, run_steps
+from tasks.step import Awake, Shard, WorkerStep, run_steps
 
 READS = ("prompt_ids", "response_ids")
 

@@ -17,7 +17,7 @@ plan says (``StepPlan.rollout_correction``, ``tasks.update.correction``), and ro
 masks (``truncated``, with ``rollout.mask_truncated``) leave the actor's loss mask only: their
 advantages were already computed with their group, and the critic still fits them. Both
 train on the shard's ``response_mask``: in a multi-turn run the stored ``loss_mask`` folded in
-(``tasks.shard``), which leaves tool-message tokens out.
+(``tasks.step``), which leaves tool-message tokens out.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from storage import BatchMeta
 from tasks.batching import PackedBatch
 from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.logprobs.stage import agree_count
-from tasks.shard import Shard
-from tasks.step import WorkerStep, run_steps
+from tasks.step import Shard, WorkerStep, run_steps
 from tasks.update.optimize import (
     ActorUpdateSettings,
     CriticUpdateSettings,

@@ -10,7 +10,7 @@ from tasks.advantage.stage import compute
 from tasks.io import nested
 from tasks.kl import AdaptiveKLController
 from tasks.plan import StepPlan
-from tasks.shard import shard_of
+from tasks.step import shard_of
 
 
 def test_a_retried_advantage_leaves_the_kl_controller_unmoved() -> None:

@@ -11,7 +11,7 @@ from infra.config import ConfigError, load_config
 from tasks.advantage.stage import compute, distill
 from tasks.io import nested
 from tasks.plan import StepPlan
-from tasks.shard import Shard, shard_of
+from tasks.step import Shard, shard_of
 
 TEACHER = "models.teacher=/models/teacher"
 

@@ -28,8 +28,7 @@ from tasks.advantage.stage import compute
 from tasks.generate import stage as generate_stage
 from tasks.io import nested
 from tasks.plan import AGENT_READS, StepPlan
-from tasks.shard import shard_of
-from tasks.step import run_steps
+from tasks.step import run_steps, shard_of
 from tasks.update.stage import update_steps
 
 PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))

@@ -1,4 +1,4 @@
-"""The typed per-shard batch (tasks.shard) and the declared worker steps (tasks.step) over a real
+"""The typed per-shard batch and the declared worker steps (tasks.step) over a real
 in-process store: the multi-turn ``loss_mask`` becomes the one ``response_mask`` every step
 takes; a step reads only what it declares and writes only what it declares, once per name."""
 
@@ -17,8 +17,7 @@ from tasks.advantage.stage import compute
 from tasks.context import Metrics
 from tasks.io import nested, padded
 from tasks.plan import StepPlan
-from tasks.shard import Shard, read_shard, shard_of
-from tasks.step import WorkerStep, run_steps
+from tasks.step import Shard, WorkerStep, read_shard, run_steps, shard_of
 
 PARTITION = "train/step-000001"
 KEYS = ("p0/0", "p0/1", "p1/0")
