@@ -14,6 +14,7 @@ least every 30 s while a part runs, and in the run's ``<run name>-eval`` progres
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from flows.progress import run_artifact, step_phase_progress
 from infra.data import PromptRow
@@ -46,7 +47,8 @@ class Evaluator:
                 rows=val_rows,
                 n=rollout.val_n,
                 temperature=rollout.val_temperature,
-                scoring=ctx.plan.scoring,
+                # the training rewards, without the overlong penalty (a training batch's only)
+                scoring=replace(ctx.plan.scoring, overlong=False),
             )
         elif heldout:
             # The rule alone, at weight 1: the held-out accuracy.

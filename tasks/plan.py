@@ -63,6 +63,7 @@ class Scoring:
     rule_weight: float
     judge_weight: float | None = None  # the LLM judge's (None: not judged; ``reward.judge``)
     teacher: bool = False  # the distillation teacher's log-probs (``algorithm.distill``)
+    overlong: bool = False  # the overlong penalty (``reward.overlong_buffer``): training only
 
     @property
     def writes(self) -> tuple[str, ...]:
@@ -88,6 +89,7 @@ class Scoring:
             rule_weight=reward.rule_weight,
             judge_weight=reward.judge.weight if reward.judge is not None else None,
             teacher=cfg.algorithm.distills,
+            overlong=True,
         )
 
 

@@ -38,19 +38,22 @@ The per-sample score is
   stored ``messages``) in place of the whole decoded response, and reward functions get the
   conversation, tool calls and results included, in ``extra_info["messages"]``.
 
-A training batch's ``scores`` then lose the overlong penalty (``reward.overlong_buffer``,
-``tasks.score.core.overlong_penalty``; validation scores do not), and with
-``rollout.mask_truncated`` the task writes ``truncated`` (dense bool: the response was cut at
-``rollout.max_new_tokens`` without EOS, ``truncated_rows`` on the workers, which know the EOS ids)
-for the update to leave those rows out of the actor's loss.
+Every reward is one ``Reward`` record of ``REWARDS`` (its name, its weight for the batch's
+``Scoring``, how its values are gathered from the workers' replies); ``compute_scores`` adds up
+those the batch asks for, in that order. A training batch's also loses the overlong penalty
+(``reward.overlong_buffer``, ``tasks.score.core.overlong_penalty``; validation scores do not).
+With ``rollout.mask_truncated`` the task writes ``truncated`` (dense bool: the response was cut
+at ``rollout.max_new_tokens`` without EOS, ``truncated_rows`` on the workers, which know the EOS
+ids) for the update to leave those rows out of the actor's loss.
 
 The task then writes ``scores`` (and ``rule_scores``, ``judge_verdicts``, ``truncated``) and
 ``reward_parts``: per sample, each part's unweighted value by name (``rm``, ``judge``, ``rule``,
 ``fn/<name>`` with the names of the ``reward/fn/<name>/mean`` metrics, ``overlong_penalty``),
-which dynamic sampling and the saved samples read; an ensemble adds ``rm_mean`` and ``rm_std``
-(its members' mean and standard deviation; ``rm`` is the combined score). A NaN/inf reward-model score fails the
-worker's shard naming its sample keys before it writes anything, and a failing reward function
-fails the task; ``scores`` is written only when every part succeeded. Rows already scored (a
+which validation, dynamic sampling and the saved samples read; an ensemble adds ``rm_mean`` and
+``rm_std`` (its members' mean and standard deviation; ``rm`` is the combined score).
+
+A NaN/inf reward-model score fails the worker's shard naming its sample keys before it writes
+anything, and a failing reward function fails the task; ``scores`` is written only when every part succeeded. Rows already scored (a
 partition checkpointed in flight by ``separate_async``'s producer, then resumed) are not scored
 again.
 """
@@ -58,6 +61,7 @@ again.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -274,55 +278,149 @@ def rule_on_texts(rule: str, texts: list[str], ground_truth: list[object]) -> to
 
 @dataclass
 class Scores:
-    """Per-sample scores of one batch: the weighted total and each part (None: not computed)."""
+    """Per-sample scores of one batch: the weighted total, each reward's unweighted parts by
+    name (``named``: the one part vocabulary of scoring, validation, saved samples and the
+    filter, see ``REWARDS``), the fields the rewards store beside ``scores`` and the metrics."""
 
     total: torch.Tensor  # (B,)
     response_lengths: torch.Tensor  # (B,)
     response_truncated: torch.Tensor  # (B,) bool
-    rm: torch.Tensor | None = None  # (B,) the reward model's (an ensemble's combined) score
-    rm_mean: torch.Tensor | None = None  # (B,) an ensemble's mean over its members
-    rm_std: torch.Tensor | None = None  # (B,) and standard deviation
-    rm_members: int = 0
-    rule: torch.Tensor | None = None  # (B,)
-    functions: FunctionScores | None = None
-    judge: torch.Tensor | None = None  # (B,) the parsed verdicts (on_parse_error where None)
-    verdicts: list[str] | None = None  # the judge's texts
+    named: dict[str, torch.Tensor] = field(default_factory=dict)  # (B,) each
+    fields: dict[str, object] = field(default_factory=dict)  # rule_scores, judge_verdicts
     metrics: Metrics = field(default_factory=dict)
 
     def named_parts(self) -> dict[str, list[float]]:
-        """Each computed part's unweighted values by name, the one vocabulary of scoring,
-        validation, saved samples and the filter: ``rm`` (the reward model's, an ensemble's
-        combined score), ``rm_mean`` and ``rm_std`` (an ensemble's), ``judge``, ``rule`` and
-        ``fn/<name>`` per reward function."""
-        named: dict[str, list[float]] = {}
-        if self.rm is not None:
-            named["rm"] = self.rm.tolist()
-        named.update(self.ensemble_parts())
-        if self.judge is not None:
-            named["judge"] = self.judge.tolist()
-        if self.rule is not None:
-            named["rule"] = self.rule.tolist()
-        if self.functions is not None:
-            from infra.reward_functions import function_names
+        """Each part's values by name."""
+        return {name: values.tolist() for name, values in self.named.items()}
 
-            fs = self.functions.scores
-            for name, values in zip(function_names(list(fs)), fs.values(), strict=True):
-                named[f"fn/{name}"] = list(values)
-        return named
-
-    def parts(self, overlong: torch.Tensor) -> list[dict[str, float]]:
-        """Per sample: ``named_parts`` and the ``overlong_penalty`` (``reward_parts``)."""
-        named = {**self.named_parts(), "overlong_penalty": overlong.tolist()}
+    def parts(self) -> list[dict[str, float]]:
+        """Per sample, each part's value by name (``reward_parts``)."""
+        named = self.named_parts()
         return [
             {name: float(values[i]) for name, values in named.items()}
             for i in range(len(self.total))
         ]
 
-    def ensemble_parts(self) -> dict[str, list[float]]:
-        """``rm_mean`` and ``rm_std`` per sample when the reward model is an ensemble."""
-        if self.rm_members < 2 or self.rm_mean is None or self.rm_std is None:
-            return {}
-        return {"rm_mean": self.rm_mean.tolist(), "rm_std": self.rm_std.tolist()}
+
+@dataclass(frozen=True)
+class Gathered:
+    """One reward's share of a batch's score: its parts' unweighted values (B,) by name, what it
+    adds to the total (B,), its metrics and the fields it stores beside ``scores``."""
+
+    named: dict[str, torch.Tensor]
+    weighted: torch.Tensor
+    metrics: Metrics
+    fields: dict[str, object] = field(default_factory=dict)
+
+
+Gather = Callable[["StageContext", BatchMeta, list[ShardScores], float], Gathered]
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward of the per-sample score, as every reward is: its name, its weight in the
+    total for a batch's ``Scoring`` (None: the batch is not scored by it) and how its values
+    are gathered, in the flow process, from the scoring workers' replies (``ShardScores``)."""
+
+    name: str
+    weight: Callable[[Scoring], float | None]
+    gather: Gather
+
+
+def _joined(
+    replies: list[ShardScores], pick: Callable[[ShardScores], list[float] | None]
+) -> torch.Tensor:
+    """One per-sample list of the replies (in shard order) as a (B,) float32 tensor."""
+    return torch.tensor([v for reply in replies for v in pick(reply) or ()], dtype=torch.float32)
+
+
+def _reward_model(
+    ctx: StageContext, meta: BatchMeta, replies: list[ShardScores], weight: float
+) -> Gathered:
+    """``rm`` (an ensemble's combined score), and an ensemble's ``rm_mean`` and ``rm_std``."""
+    rm = _joined(replies, lambda r: r.rm)
+    mean, std = _joined(replies, lambda r: r.rm_mean), _joined(replies, lambda r: r.rm_std)
+    ensemble = max(r.rm_members for r in replies) >= 2
+    metrics = {
+        "reward/rm/mean": float(rm.mean()),
+        "reward/rm_mean/mean": float(mean.double().mean()),
+        "reward/rm_std/mean": float(std.double().mean()),
+        "reward/rm_truncated_ratio": sum(r.truncated for r in replies) / len(meta.keys),
+    }
+    named = {"rm": rm, **({"rm_mean": mean, "rm_std": std} if ensemble else {})}
+    return Gathered(named, weight * rm, metrics)
+
+
+def _functions(
+    ctx: StageContext, meta: BatchMeta, replies: list[ShardScores], weight: float
+) -> Gathered:
+    """``fn/<name>`` per reward function (each with its own weight), in their process pool."""
+    from infra.reward_functions import function_names
+    from infra.reward_functions import metrics as function_metrics
+
+    fs = _function_scores(ctx, meta, [t for r in replies for t in r.texts or ()])
+    names = function_names(list(fs.scores))
+    named = {
+        f"fn/{n}": torch.tensor(v, dtype=torch.float32)
+        for n, v in zip(names, fs.scores.values(), strict=True)
+    }
+    return Gathered(
+        named, weight * torch.tensor(fs.total, dtype=torch.float32), function_metrics(fs)
+    )
+
+
+def _rule(
+    ctx: StageContext, meta: BatchMeta, replies: list[ShardScores], weight: float
+) -> Gathered:
+    """``rule`` (``reward.rule`` against ``ground_truth``, computed on the workers)."""
+    rule = _joined(replies, lambda r: r.rule)
+    return Gathered(
+        {"rule": rule},
+        weight * rule,
+        {"reward/rule/mean": float(rule.mean())},
+        {"rule_scores": rule},
+    )
+
+
+def _judge(
+    ctx: StageContext, meta: BatchMeta, replies: list[ShardScores], weight: float
+) -> Gathered:
+    """``judge``: the workers' verdicts, parsed here (raises before anything is written)."""
+    verdicts = [v for r in replies for v in r.verdicts or ()]
+    judged = _judge_scores(ctx, meta, verdicts)
+    judge = torch.tensor(judged.values, dtype=torch.float32)  # (B,)
+    metrics = {
+        "reward/judge/mean": float(judge.double().mean()),
+        "reward/judge/parse_failures": judged.failure_fraction,
+    }
+    return Gathered({"judge": judge}, weight * judge, metrics, {"judge_verdicts": verdicts})
+
+
+def _overlong(
+    ctx: StageContext, meta: BatchMeta, replies: list[ShardScores], weight: float
+) -> Gathered:
+    """``overlong_penalty`` (``reward.overlong_buffer``, subtracted: weight -1)."""
+    buffer = ctx.cfg.reward.overlong_buffer
+    lengths = torch.tensor([n for r in replies for n in r.response_lengths], dtype=torch.int64)
+    lost = overlong_penalty(
+        response_lengths=lengths,
+        max_new_tokens=ctx.cfg.rollout.max_new_tokens,
+        buffer_length=buffer.length,
+        penalty=buffer.penalty,
+    )  # (B,)
+    metrics = {"reward/overlong_penalty/mean": float(lost.double().mean())}
+    return Gathered({"overlong_penalty": lost}, weight * lost, metrics)
+
+
+# Every reward, in the order they add up to the total; a part's name is its key in
+# ``reward_parts``, validation's ``val-aux/*`` and the filter's metric.
+REWARDS: tuple[Reward, ...] = (
+    Reward("rm", lambda s: s.model_weight, _reward_model),
+    Reward("fn", lambda s: 1.0 if s.functions else None, _functions),
+    Reward("rule", lambda s: s.rule_weight if s.rule is not None else None, _rule),
+    Reward("judge", lambda s: s.judge_weight, _judge),
+    Reward("overlong_penalty", lambda s: -1.0 if s.overlong else None, _overlong),
+)
 
 
 def scoring_group(ctx: StageContext, scoring: Scoring) -> WorkerGroup:
@@ -365,9 +463,9 @@ def _function_scores(ctx: StageContext, meta: BatchMeta, texts: list[str]) -> Fu
 
 
 def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scores:
-    """The rewards of ``scoring`` for one batch (see the module docstring); raises before
-    ``scores`` is written when one of them fails."""
-    parts = scoring_group(ctx, scoring).run_on_keys(
+    """The rewards of ``scoring`` for one batch (see the module docstring and ``REWARDS``);
+    raises before ``scores`` is written when one of them fails."""
+    replies = scoring_group(ctx, scoring).run_on_keys(
         score_rows,
         meta,
         rule=scoring.rule,
@@ -379,44 +477,21 @@ def compute_scores(ctx: StageContext, meta: BatchMeta, scoring: Scoring) -> Scor
     out = Scores(
         total=torch.zeros(len(meta.keys), dtype=torch.float32),
         response_lengths=torch.tensor(
-            [n for p in parts for n in p.response_lengths], dtype=torch.int64
+            [n for p in replies for n in p.response_lengths], dtype=torch.int64
         ),
         response_truncated=torch.tensor(
-            [c for p in parts for c in p.response_truncated], dtype=torch.bool
+            [c for p in replies for c in p.response_truncated], dtype=torch.bool
         ),
     )
-    # 1. The reward model, if any.
-    if scoring.model_weight is not None:
-        out.rm = torch.tensor([v for p in parts for v in p.rm or ()], dtype=torch.float32)
-        out.total += scoring.model_weight * out.rm
-        out.rm_mean = torch.tensor([v for p in parts for v in p.rm_mean or ()])  # (B,)
-        out.rm_std = torch.tensor([v for p in parts for v in p.rm_std or ()])  # (B,)
-        out.rm_members = max(p.rm_members for p in parts)
-        out.metrics["reward/rm/mean"] = float(out.rm.mean())
-        out.metrics["reward/rm_mean/mean"] = float(out.rm_mean.double().mean())
-        out.metrics["reward/rm_std/mean"] = float(out.rm_std.double().mean())
-        out.metrics["reward/rm_truncated_ratio"] = sum(p.truncated for p in parts) / len(meta.keys)
-    # 2. Reward functions, in their process pool.
-    if scoring.functions:
-        from infra.reward_functions import metrics as function_metrics
-
-        fs = _function_scores(ctx, meta, [t for p in parts for t in p.texts or ()])
-        out.total += torch.tensor(fs.total, dtype=torch.float32)
-        out.functions = fs
-        out.metrics.update(function_metrics(fs))
-    # 3. The rule.
-    if scoring.rule is not None:
-        out.rule = torch.tensor([v for p in parts for v in p.rule or ()], dtype=torch.float32)
-        out.total += scoring.rule_weight * out.rule
-        out.metrics["reward/rule/mean"] = float(out.rule.mean())
-    # 4. The judge's verdicts, parsed here (raises before anything is written).
-    if scoring.judge_weight is not None:
-        out.verdicts = [v for p in parts for v in p.verdicts or ()]
-        judged = _judge_scores(ctx, meta, out.verdicts)
-        out.judge = torch.tensor(judged.values, dtype=torch.float32)  # (B,)
-        out.total += scoring.judge_weight * out.judge
-        out.metrics["reward/judge/mean"] = float(out.judge.double().mean())
-        out.metrics["reward/judge/parse_failures"] = judged.failure_fraction
+    for reward in REWARDS:
+        weight = reward.weight(scoring)
+        if weight is None:
+            continue
+        gathered = reward.gather(ctx, meta, replies, weight)
+        out.total += gathered.weighted
+        out.named.update(gathered.named)
+        out.fields.update(gathered.fields)
+        out.metrics.update(gathered.metrics)
     return out
 
 
@@ -448,15 +523,6 @@ def score(ctx: StageContext, meta: BatchMeta, step: int, *, round: int = 0) -> S
         return StageResult(meta.with_fields(*names))
     # 1. Score on the workers (they write rm_scores; raises, writing no scores, when a reward fails).
     scores = compute_scores(ctx, meta, scoring)
-    # 2. The overlong penalty (a training batch's only).
-    buffer = ctx.cfg.reward.overlong_buffer
-    lost = overlong_penalty(
-        response_lengths=scores.response_lengths,
-        max_new_tokens=ctx.cfg.rollout.max_new_tokens,
-        buffer_length=buffer.length,
-        penalty=buffer.penalty,
-    )  # (B,)
-    scores.total = scores.total - lost
     metrics = {
         **score_metrics(scores=scores.total, response_lengths=scores.response_lengths),
         **scores.metrics,
@@ -464,14 +530,13 @@ def score(ctx: StageContext, meta: BatchMeta, step: int, *, round: int = 0) -> S
         "response_length/max": float(scores.response_lengths.max()),
         "perf/total_num_tokens": float(scores.response_lengths.sum()),
         "response/truncated_fraction": float(scores.response_truncated.double().mean()),
-        "reward/overlong_penalty/mean": float(lost.double().mean()),
     }
-    # 3. Write the per-sample totals (and which responses were cut).
-    fields: dict[str, object] = {"scores": scores.total, "reward_parts": scores.parts(lost)}
-    if scores.rule is not None:
-        fields["rule_scores"] = scores.rule
-    if scores.verdicts is not None:
-        fields["judge_verdicts"] = scores.verdicts
+    # 2. Write the per-sample totals, their parts (and which responses were cut).
+    fields: dict[str, object] = {
+        "scores": scores.total,
+        "reward_parts": scores.parts(),
+        **scores.fields,
+    }
     if ctx.plan.mask_truncated:
         fields["truncated"] = scores.response_truncated
     write(ctx, meta, fields)

@@ -80,8 +80,8 @@ def validate(
         for name, values in scores.named_parts().items():
             means = per_source_means(sources, values, name, job.n)
             metrics.update({f"val-aux/{k}": v for k, v in means.items()})
-        if scores.rule is not None:
-            metrics["eval/rule_accuracy"] = float(scores.rule.mean())
+        if "rule" in scores.named:
+            metrics["eval/rule_accuracy"] = float(scores.named["rule"].mean())
         return metrics
     finally:
         ctx.rt.store.kv_clear(partition)

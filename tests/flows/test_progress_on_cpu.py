@@ -162,7 +162,10 @@ def evaluator(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Evaluator:
         right = torch.tensor([1.0, 0.0])
         lengths, truncated = torch.tensor([3, 3]), torch.tensor([False, False])
         return Scores(
-            total=right, response_lengths=lengths, response_truncated=truncated, rule=right
+            total=right,
+            response_lengths=lengths,
+            response_truncated=truncated,
+            named={"rule": right},
         )
 
     monkeypatch.setattr(stage, "submit_prompts", lambda ctx, **_: BatchMeta("val", ("a/0", "b/0")))

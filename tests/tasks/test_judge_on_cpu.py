@@ -386,12 +386,12 @@ def test_validation_and_saved_samples_name_the_parts_alike() -> None:
         total=torch.tensor([1.0, 0.0]),
         response_lengths=torch.tensor([2, 3]),
         response_truncated=torch.tensor([False, False]),
-        rm=torch.tensor([0.5, -0.5]),
-        judge=torch.tensor([1.0, 0.0]),
-        rule=torch.tensor([1.0, 1.0]),
-        verdicts=["yes", "no"],
+        named={
+            "rm": torch.tensor([0.5, -0.5]),
+            "judge": torch.tensor([1.0, 0.0]),
+            "rule": torch.tensor([1.0, 1.0]),
+        },
     )
-    # validation reports named_parts; a saved sample's reward_parts add the overlong penalty
+    # validation reports named_parts; a saved sample's reward_parts hold the same, per sample
     assert scores.named_parts() == {"rm": [0.5, -0.5], "judge": [1.0, 0.0], "rule": [1.0, 1.0]}
-    per_sample = scores.parts(torch.tensor([0.0, -0.25]))
-    assert per_sample[1] == {"rm": -0.5, "judge": 0.0, "rule": 1.0, "overlong_penalty": -0.25}
+    assert scores.parts()[1] == {"rm": -0.5, "judge": 0.0, "rule": 1.0}

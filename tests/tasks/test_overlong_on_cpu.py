@@ -3,6 +3,7 @@ score task that applies them to a training batch (stand-in scoring workers, in-p
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from infra.runtime import Runtime
 from storage import BatchMeta, open_store
 from tasks.context import StageContext
 from tasks.score.core import overlong_penalty, truncated_rows
-from tasks.score.stage import ShardScores, score
+from tasks.score.stage import ShardScores, compute_scores, score
 
 
 def test_overlong_penalty_grows_linearly_over_the_buffer() -> None:
@@ -94,3 +95,29 @@ def test_the_score_task_subtracts_the_penalty_and_writes_truncated() -> None:
     assert out.metrics["reward/overlong_penalty/mean"] == pytest.approx(1.125 / 5)
     assert out.metrics["response/truncated_fraction"] == pytest.approx(1 / 5)
     assert out.metrics["critic/score/mean"] == pytest.approx(3.875 / 5)
+
+
+def test_validation_loses_no_penalty_and_every_part_is_named_alike_where_it_is_read() -> None:
+    """The rewards of ``tasks.score.stage.REWARDS``: a training batch's scoring holds the
+    overlong penalty as one more part, validation's holds none; the saved ``reward_parts`` name
+    the same parts as the batch's scores."""
+    cfg = load_config(
+        None, ["reward.overlong_buffer.length=4", "reward.overlong_buffer.penalty=0.5"]
+    )
+    store = open_store("memory://")
+    keys = tuple(f"u{i}/0" for i in range(5))
+    workers = StandInScorers([2, 4, 5, 8, 8], [False] * 5)
+    rt = Runtime(store=store, train_group=workers, rollout_group=workers, reward_group=workers)
+    ctx = StageContext(cfg=cfg, rt=rt, tokenizer=None)
+    meta = BatchMeta("train/step-000001", keys, ())
+    training = ctx.plan.scoring
+    trained = compute_scores(ctx, meta, training)
+    validated = compute_scores(ctx, meta, replace(training, overlong=False))
+    assert list(trained.named) == ["rm", "rule", "overlong_penalty"]  # the rule at weight 0
+    assert list(validated.named) == ["rm", "rule"]
+    torch.testing.assert_close(trained.total, torch.tensor([1.0, 1.0, 0.875, 0.5, 0.5]))
+    torch.testing.assert_close(validated.total, torch.ones(5))
+    out = score(ctx, meta, 1)
+    saved = store.get_fields(out.meta, ("reward_parts",), timeout=1.0)["reward_parts"]
+    assert [set(parts) for parts in saved] == [set(trained.named)] * 5
+    assert saved[3]["overlong_penalty"] == 0.5 and saved[3]["rm"] == 1.0
