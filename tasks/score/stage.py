@@ -53,9 +53,9 @@ which validation, dynamic sampling and the saved samples read; an ensemble adds 
 ``rm_std`` (its members' mean and standard deviation; ``rm`` is the combined score).
 
 A NaN/inf reward-model score fails the worker's shard naming its sample keys before it writes
-anything, and a failing reward function fails the task; ``scores`` is written only when every part succeeded. Rows already scored (a
-partition checkpointed in flight by ``separate_async``'s producer, then resumed) are not scored
-again.
+anything, and a failing reward function fails the task; ``scores`` is written only when every
+part succeeded. Rows already scored (a partition checkpointed in flight by ``separate_async``'s
+producer, then resumed) are not scored again.
 """
 
 from __future__ import annotations
