@@ -302,38 +302,16 @@ def _build_tiny_assets(
     reward_tokenizer = build_char_tokenizer(paths.reward_model_alt, variant="reward")
     built.done()
     # 3. Models, each with a fixed seed of its own.
-    _save_model(
-        LlamaForCausalLM,
-        _llama_config(policy, policy_tokenizer),
-        policy_tokenizer,
-        paths.policy,
-        seed=seed,
+    models = (
+        (LlamaForCausalLM, policy, policy_tokenizer, None, paths.policy),
+        (LlamaForTokenClassification, policy, policy_tokenizer, 1, paths.critic),
+        (LlamaForSequenceClassification, reward, policy_tokenizer, 1, paths.reward_model),
+        (LlamaForSequenceClassification, reward, reward_tokenizer, 1, paths.reward_model_alt),
     )
-    built.done()
-    _save_model(
-        LlamaForTokenClassification,
-        _llama_config(policy, policy_tokenizer, num_labels=1),
-        policy_tokenizer,
-        paths.critic,
-        seed=seed + 1,
-    )
-    built.done()
-    _save_model(
-        LlamaForSequenceClassification,
-        _llama_config(reward, policy_tokenizer, num_labels=1),
-        policy_tokenizer,
-        paths.reward_model,
-        seed=seed + 2,
-    )
-    built.done()
-    _save_model(
-        LlamaForSequenceClassification,
-        _llama_config(reward, reward_tokenizer, num_labels=1),
-        reward_tokenizer,
-        paths.reward_model_alt,
-        seed=seed + 3,
-    )
-    built.done()
+    for offset, (model_cls, spec, tokenizer, labels, out_dir) in enumerate(models):
+        config = _llama_config(spec, tokenizer, num_labels=labels)
+        _save_model(model_cls, config, tokenizer, out_dir, seed=seed + offset)
+        built.done()
     # 4. Data, then the manifest that marks the build complete.
     make_addition_dataset(paths.train_data.parent, seed=seed)
     paths.manifest.write_text(json.dumps(wanted, indent=2, sort_keys=True))
