@@ -35,6 +35,7 @@ from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.batching import PackedBatch
 from tasks.context import Metrics, StageContext, StageResult, faults_at
+from tasks.io import padded
 from tasks.logprobs.stage import agree_count
 from tasks.step import Shard, WorkerStep, run_steps
 from tasks.update.optimize import (
@@ -76,9 +77,9 @@ def _batches(worker: ModelWorker, shard: Shard) -> tuple[PackedBatch, PackedBatc
     return batch, dataclasses.replace(batch, response_mask=kept)
 
 
-def _optional(shard: Shard, name: str, width: int) -> Tensor | None:
-    """The jagged field ``name`` padded to (B, ``width``), None when the shard holds none."""
-    return None if getattr(shard, name) is None else shard.padded(name, width)
+def _optional(field: Tensor | None, width: int) -> Tensor | None:
+    """A jagged float field of the shard padded to (B, ``width``), None when it holds none."""
+    return None if field is None else padded(field, width).float()
 
 
 def _actor_step(
@@ -101,16 +102,16 @@ def _actor_step(
     _, batch = _batches(worker, shard)
     width = batch.response_mask.shape[1]
     # 1.
-    rollout = _optional(shard, "rollout_logprobs", width)
-    old = rollout if settings.old_is_rollout else _optional(shard, "old_logprobs", width)
+    rollout = _optional(shard.rollout_logprobs, width)
+    old = rollout if settings.old_is_rollout else _optional(shard.old_logprobs, width)
     # 2.
     metrics = actor_update(
         **_trainer_inputs(worker, worker.actor, settings, batch),
         old_logprobs=old,
         advantages=shard.padded("advantages", width),
-        ref_logprobs=_optional(shard, "ref_logprobs", width),
+        ref_logprobs=_optional(shard.ref_logprobs, width),
         rollout_logprobs=None if settings.old_is_rollout else rollout,
-        teacher_logprobs=_optional(shard, "teacher_logprobs", width),
+        teacher_logprobs=_optional(shard.teacher_logprobs, width),
         cfg=settings,
     )
     # 3.
