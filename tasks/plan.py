@@ -48,6 +48,7 @@ from infra.config import TrainConfig
 AGENT_READS = ("loss_mask", "num_turns", "tool_calls", "tool_errors", "truncated_tool_responses")
 PolicyLogprobs = Literal["old_logprobs", "rollout_logprobs"]
 ForwardPass = Literal["old_logprobs", "ref_logprobs", "values"]
+TeacherPass = Literal["teacher_logprobs"]  # the score stage's, on the scoring workers
 Correction = Literal[
     "none", "token_truncate", "sequence_truncate", "token_mask", "sequence_mask", "geometric_mask"
 ]

@@ -129,7 +129,7 @@ def write_shard(worker: ModelWorker, meta: BatchMeta, shard: Shard, fields: Sequ
         worker.write(meta, {name: shard.need(name) for name in fields})
 
 
-Awake = Literal["actor", "reference", "critic"] | None
+Awake = Literal["actor", "reference", "critic", "teacher"] | None
 Compute = Callable[[ModelWorker, torch.nn.Module | None, Shard], tuple[Shard, Metrics]]
 
 

@@ -30,7 +30,7 @@ from tasks.batching import (
 )
 from tasks.context import Metrics, StageContext, faults_at
 from tasks.io import from_padded
-from tasks.plan import ForwardPass
+from tasks.plan import ForwardPass, TeacherPass
 from tasks.step import Awake, Shard, WorkerStep, run_steps
 
 READS = ("prompt_ids", "response_ids")
@@ -151,14 +151,26 @@ def response_values(
 
 
 def _pass(
-    worker: ModelWorker, module: torch.nn.Module | None, shard: Shard, *, name: ForwardPass
+    worker: ModelWorker,
+    module: torch.nn.Module | None,
+    shard: Shard,
+    *,
+    name: ForwardPass | TeacherPass,
 ) -> tuple[Shard, Metrics]:
-    """The forward pass ``name`` over the shard with its model (``module``) awake."""
+    """The forward pass ``name`` over the shard with its model (``module``) awake. The training
+    workers' passes run as many micro-batches on every worker (FSDP's collectives); the
+    teacher's, on the scoring workers, each its own."""
     assert module is not None, "a forward pass runs with its model awake"
     batch = shard.packed(worker.pad_id)
 
     def agree(count: int) -> int:  # as many forward passes on every worker (FSDP collectives)
         return agree_count(worker, count)
+
+    if name == "teacher_logprobs":
+        out = response_logprobs(worker, module, batch)
+        computed = Shard(batch_size=shard.batch_size)
+        computed.teacher_logprobs = from_padded(out, batch.response_lengths)
+        return computed, {}
 
     if name == "values":
         out = response_values(worker, module, batch, count_reducer=agree)
@@ -170,7 +182,7 @@ def _pass(
     return computed, {}
 
 
-def _forward_step(name: ForwardPass, awake: Awake) -> WorkerStep:
+def _forward_step(name: ForwardPass | TeacherPass, awake: Awake) -> WorkerStep:
     return WorkerStep(name, READS, awake, functools.partial(_pass, name=name), (name,))
 
 
@@ -179,6 +191,7 @@ FORWARD_STEPS: dict[ForwardPass, WorkerStep] = {  # one declared step per pass
     "ref_logprobs": _forward_step("ref_logprobs", "reference"),
     "values": _forward_step("values", "critic"),
 }
+TEACHER_STEP = _forward_step("teacher_logprobs", "teacher")  # on-policy distillation's teacher
 
 
 def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[ForwardPass, ...]) -> None:

@@ -71,7 +71,8 @@ from infra.group import WorkerGroup
 from infra.workers import ModelWorker
 from storage import BatchMeta
 from tasks.context import Metrics, StageContext, StageResult, faults_at
-from tasks.io import from_padded, lengths, nested, read, rows, write
+from tasks.io import lengths, nested, read, rows, write
+from tasks.logprobs.stage import TEACHER_STEP
 from tasks.plan import Scoring
 from tasks.rewards import RULES
 from tasks.score.core import (
@@ -82,6 +83,7 @@ from tasks.score.core import (
     score_metrics,
     truncated_rows,
 )
+from tasks.step import run_steps
 
 if TYPE_CHECKING:
     from infra.judge import JudgeScores
@@ -125,7 +127,8 @@ def score_rows(
 
     1. Read what the asked parts need; measure lengths and truncation.
     2. The reward model (if held and ``model``) → write ``rm_scores``.
-    3. The distillation teacher's log-probs (if ``teacher``) → write ``teacher_logprobs``.
+    3. The distillation teacher's log-probs (if ``teacher``; its declared step, ``TEACHER_STEP``)
+       → write ``teacher_logprobs``.
     4. Decode the responses (a conversation's final answer) for the judge's verdicts (if
        ``judge``), the rule (if ``rule``) and the reward functions' texts (if ``texts``).
     """
@@ -159,7 +162,12 @@ def score_rows(
         reward_model_scores(worker, shard, data, n, out)
     # 3.
     if teacher:
-        teacher_logprobs(worker, shard, rows(data["prompt_ids"]), responses)
+        if not worker.has("teacher"):
+            raise ValueError(
+                f"the teacher was asked to score but worker {worker.spec.rank} (roles "
+                f"{', '.join(worker.spec.roles)}) holds none"
+            )
+        run_steps(worker, shard, (TEACHER_STEP,))
     # 4.
     if decodes:
         decoded = _decoded(worker, data, responses)
@@ -218,29 +226,6 @@ def _decoded(worker: ModelWorker, data: dict[str, Any], responses: list[torch.Te
     return list(
         worker.tokenizer.batch_decode([r.tolist() for r in responses], skip_special_tokens=True)
     )
-
-
-def teacher_logprobs(
-    worker: ModelWorker,
-    shard: BatchMeta,
-    prompts: list[torch.Tensor],
-    responses: list[torch.Tensor],
-) -> None:
-    """Worker side: the teacher's log-probabilities of my samples' response tokens (``prompts``
-    and ``responses``, the shard's rows as read) at the rollout temperature, as the actor's are
-    computed (its model awake for the block) → write ``teacher_logprobs``."""
-    from tasks.batching import pack_batch
-    from tasks.logprobs.stage import response_logprobs
-
-    if not worker.has("teacher"):
-        raise ValueError(
-            f"the teacher was asked to score but worker {worker.spec.rank} (roles "
-            f"{', '.join(worker.spec.roles)}) holds none"
-        )
-    batch = pack_batch(prompt_ids=prompts, response_ids=responses, pad_id=worker.pad_id)
-    with worker.awake("teacher") as model:
-        logprobs = response_logprobs(worker, model.module, batch)  # (B, T)
-    worker.write(shard, {"teacher_logprobs": from_padded(logprobs, batch.response_lengths)})
 
 
 def judge_verdicts(
