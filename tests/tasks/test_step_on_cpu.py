@@ -147,3 +147,33 @@ def test_a_shard_of_a_dict_builds_the_same_mask_as_one_read_from_the_store() -> 
     assert torch.equal(
         padded(read.need("response_mask"), 4), padded(built.need("response_mask"), 4)
     )
+
+
+def test_every_shard_field_and_every_declared_read_or_write_is_a_store_field() -> None:
+    """The shard speaks the store's vocabulary (``response_mask`` aside, which no stage
+    stores), and so does every declared step, for every plan the presets make."""
+    from pathlib import Path
+
+    from storage.schema import VOCABULARY
+    from tasks.advantage.stage import advantage_step
+    from tasks.logprobs.stage import FORWARD_STEPS, TEACHER_STEP
+    from tasks.update.settings import actor_settings, critic_settings
+    from tasks.update.stage import update_steps
+
+    fields = {f.name for f in Shard.fields()}
+    assert len(fields) == 17 and fields - {"response_mask"} <= set(VOCABULARY)
+    presets = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert presets
+    for preset in presets:
+        cfg = load_config(preset, [])
+        plan = StepPlan.from_config(cfg)
+        critic = critic_settings(cfg, 1) if plan.critic else None
+        steps = (
+            *FORWARD_STEPS.values(),
+            TEACHER_STEP,
+            advantage_step(plan, 0.0),
+            *update_steps(plan.update_reads, actor_settings(cfg, 1, plan), critic),
+        )
+        for step in steps:
+            assert set(step.reads) | set(step.writes) <= set(VOCABULARY), (preset.name, step.name)
+            assert set(step.writes) <= fields, (preset.name, step.name)
