@@ -105,6 +105,12 @@ def shard_of(fields: Mapping[str, Any] | TensorDictBase, batch_size: int) -> Sha
     ``response_mask`` built from ``loss_mask`` or ``response_ids`` (see the module docstring)."""
     values = dict(fields.items())
     loss_mask = values.pop(LOSS_MASK, None)
+    unknown = sorted(set(values) - {f.name for f in Shard.fields()})
+    if unknown:
+        raise KeyError(
+            f"a shard has no field {unknown[0]!r}: a worker step reads only the fields of "
+            "tasks.step.Shard"
+        )
     if loss_mask is not None:
         values["response_mask"] = loss_mask.to(torch.bool)
     elif "response_ids" in values:

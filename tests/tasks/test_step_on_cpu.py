@@ -83,6 +83,8 @@ def test_a_field_the_step_did_not_read_is_none_and_needing_it_names_it() -> None
     assert shard.response_ids is None and shard.response_mask is None
     with pytest.raises(KeyError, match="'advantages'.*declare it in its reads"):
         shard.need("advantages")
+    with pytest.raises(KeyError, match="no field 'raw_prompt'"):
+        shard_of({"scores": torch.zeros(3), "raw_prompt": ["a", "b", "c"]}, 3)
 
 
 def test_the_score_sits_on_the_last_sampled_token_and_tool_tokens_carry_no_advantage() -> None:
@@ -177,3 +179,4 @@ def test_every_shard_field_and_every_declared_read_or_write_is_a_store_field() -
         for step in steps:
             assert set(step.reads) | set(step.writes) <= set(VOCABULARY), (preset.name, step.name)
             assert set(step.writes) <= fields, (preset.name, step.name)
+            assert set(step.reads) <= fields | {"loss_mask"}, (preset.name, step.name)
