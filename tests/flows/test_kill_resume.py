@@ -106,6 +106,17 @@ def _listening_ports(procs: list[psutil.Process]) -> set[int]:
     return ports
 
 
+def _of_run(tmp: Path) -> list[psutil.Process]:
+    """Every process whose environment names the run's private temp folder: its descendants,
+    even one that left its session; not another test's process that reuses one of its ports."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("TMPDIR") == str(tmp) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
 def _in_session(sid: int) -> list[int]:
     found = []
     for pid in psutil.pids():
@@ -140,6 +151,8 @@ def test_sigterm_mid_step_checkpoints_leaves_nothing_running_and_resumes_to_the_
         tree = [root, *root.children(recursive=True)]
         ports = _listening_ports(tree)
         assert len(tree) > 3 and ports, (tree, ports)  # Ray, its workers, the Prefect server
+        found = {p.pid for p in _of_run(tmp)}  # by its TMPDIR: the run, Ray and most of the rest
+        assert proc.pid in found and len(found & {p.pid for p in tree}) > 3, (found, tree)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=300)
         # 2. Exit 143 with one line naming the checkpoint; nothing of its tree is left.
@@ -152,7 +165,7 @@ def test_sigterm_mid_step_checkpoints_leaves_nothing_running_and_resumes_to_the_
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
         assert not _in_session(proc.pid)
-        assert not ports & _listening_ports([psutil.Process(p) for p in psutil.pids()])
+        assert not _of_run(tmp), [p.cmdline() for p in _of_run(tmp)]
         step = int(stopped[0].split("after step ")[1].split(",")[0])
         assert 1 <= step < STEPS - 1
         assert (run_dir / "checkpoints" / f"step-{step:06d}").is_dir()
