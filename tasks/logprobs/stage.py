@@ -163,15 +163,8 @@ def _pass(
     assert module is not None, "a forward pass runs with its model awake"
     batch = shard.packed(worker.pad_id)
 
-    def agree(count: int) -> int:  # as many forward passes on every worker (FSDP collectives)
-        return agree_count(worker, count)
-
-    if name == "teacher_logprobs":
-        out = response_logprobs(worker, module, batch)
-        computed = Shard(batch_size=shard.batch_size)
-        computed.teacher_logprobs = from_padded(out, batch.response_lengths)
-        return computed, {}
-
+    # as many forward passes on every training worker (FSDP collectives); the teacher: its own
+    agree = None if name == "teacher_logprobs" else functools.partial(agree_count, worker)
     if name == "values":
         out = response_values(worker, module, batch, count_reducer=agree)
     else:
