@@ -27,11 +27,6 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# OpenMP threads that wait for work sleep after a short spin instead of libgomp's default long
-# one: the test processes, their Ray workers and runs share two cores, and the default spin
-# burns the time the other processes need (benchmarks/omp_spin.py measures it). Read when torch loads
-# libgomp, so before any import of torch; subprocesses inherit it.
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
