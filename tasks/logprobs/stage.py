@@ -156,15 +156,14 @@ def _pass(
     shard: Shard,
     *,
     name: ForwardPass | TeacherPass,
+    collective: bool,
 ) -> tuple[Shard, Metrics]:
-    """The forward pass ``name`` over the shard with its model (``module``) awake. The training
-    workers' passes run as many micro-batches on every worker (FSDP's collectives); the
-    teacher's, on the scoring workers, each its own."""
+    """The forward pass ``name`` over the shard with its model (``module``) awake. With
+    ``collective`` (the training workers' passes) every worker runs as many micro-batches as the
+    others (FSDP's collectives); without it (the teacher's, on the scoring workers), its own."""
     assert module is not None, "a forward pass runs with its model awake"
     batch = shard.packed(worker.pad_id)
-
-    # as many forward passes on every training worker (FSDP collectives); the teacher: its own
-    agree = None if name == "teacher_logprobs" else functools.partial(agree_count, worker)
+    agree = functools.partial(agree_count, worker) if collective else None
     if name == "values":
         out = response_values(worker, module, batch, count_reducer=agree)
     else:
@@ -175,8 +174,11 @@ def _pass(
     return computed, {}
 
 
-def _forward_step(name: ForwardPass | TeacherPass, awake: Awake) -> WorkerStep:
-    return WorkerStep(name, READS, awake, functools.partial(_pass, name=name), (name,))
+def _forward_step(
+    name: ForwardPass | TeacherPass, awake: Awake, *, collective: bool = True
+) -> WorkerStep:
+    compute = functools.partial(_pass, name=name, collective=collective)
+    return WorkerStep(name, READS, awake, compute, (name,))
 
 
 FORWARD_STEPS: dict[ForwardPass, WorkerStep] = {  # one declared step per pass
@@ -184,7 +186,8 @@ FORWARD_STEPS: dict[ForwardPass, WorkerStep] = {  # one declared step per pass
     "ref_logprobs": _forward_step("ref_logprobs", "reference"),
     "values": _forward_step("values", "critic"),
 }
-TEACHER_STEP = _forward_step("teacher_logprobs", "teacher")  # on-policy distillation's teacher
+# on-policy distillation's teacher, on the scoring workers: no collective with the others
+TEACHER_STEP = _forward_step("teacher_logprobs", "teacher", collective=False)
 
 
 def forward_rows(worker: ModelWorker, shard: BatchMeta, *, names: tuple[ForwardPass, ...]) -> None:

@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from infra.group import WorkerGroup
-from infra.workers import ModelWorker
+from infra.workers import ModelWorker, Role
 from storage import BatchMeta
 from tasks.context import Metrics, StageContext, StageResult, faults_at
 from tasks.io import lengths, nested, read, rows, write
@@ -133,11 +133,13 @@ def score_rows(
        ``judge``), the rule (if ``rule``) and the reward functions' texts (if ``texts``).
     """
     model = model and worker.has("reward")
-    if judge and not worker.has("judge"):
-        raise ValueError(
-            f"the judge was asked to score but worker {worker.spec.rank} (roles "
-            f"{', '.join(worker.spec.roles)}) holds none"
-        )
+    asked: dict[Role, bool] = {"judge": judge, "teacher": teacher}
+    for role, wanted in asked.items():
+        if wanted and not worker.has(role):
+            raise ValueError(
+                f"the {role} was asked to score but worker {worker.spec.rank} (roles "
+                f"{', '.join(worker.spec.roles)}) holds none"
+            )
     # 1.
     decodes = bool(rule or texts or judge)
     conversations = worker.cfg.rollout.multi_turn and (model or decodes)
@@ -162,11 +164,6 @@ def score_rows(
         reward_model_scores(worker, shard, data, n, out)
     # 3.
     if teacher:
-        if not worker.has("teacher"):
-            raise ValueError(
-                f"the teacher was asked to score but worker {worker.spec.rank} (roles "
-                f"{', '.join(worker.spec.roles)}) holds none"
-            )
         run_steps(worker, shard, (TEACHER_STEP,))
     # 4.
     if decodes:
