@@ -88,6 +88,20 @@ def answer_ids(tokenizer: PreTrainedTokenizerBase, answer: str, *, eos: bool = T
     return [*ids, tokenizer.eos_token_id] if eos else ids
 
 
+AnswerIds = Callable[[str, bool], list[int]]
+
+
+def cached_answer_ids(tokenizer: PreTrainedTokenizerBase) -> AnswerIds:
+    """``answer_ids`` of ``tokenizer``, each (text, eos) tokenised once: the training loops draw
+    the same few answers again and again. Callers copy the lists they are given, never change them."""
+
+    @functools.cache
+    def encode(answer: str, eos: bool) -> list[int]:
+        return answer_ids(tokenizer, answer, eos=eos)
+
+    return encode
+
+
 def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad to a batch; returns ``input_ids`` (B, L) int64 and ``lengths`` (B,) int64."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # (B,)
@@ -383,9 +397,7 @@ def sft_warmstart(
 
     # 2. Each step: a batch of prompts, each with a freshly drawn careless answer (an answer's
     #    ids are tokenised once).
-    @functools.cache
-    def ids_of(answer: str) -> list[int]:
-        return answer_ids(tokenizer, answer)
+    ids_of = cached_answer_ids(tokenizer)
 
     def loss_fn(progress: float) -> torch.Tensor:
         batch = rng.choices(rows, k=settings.batch_size)
@@ -395,7 +407,7 @@ def sft_warmstart(
         return response_nll(
             model,
             [prompt_cache[r.uid] for r in batch],
-            [ids_of(a) for a in answers],
+            [ids_of(a, True) for a in answers],
             tokenizer.pad_token_id,
         )
 
@@ -549,22 +561,22 @@ def _policy_rejections(
 def _make_pair(
     row: PromptRow,
     prompt: list[int],
-    tokenizer: PreTrainedTokenizerBase,
+    ids_of: AnswerIds,
     pool: dict[str, list[list[int]]],
     settings: RewardModelSettings,
     rng: random.Random,
 ) -> _Pair:
     """chosen = the right answer + EOS; rejected drawn from the settings' mix (the rule decides)."""
-    chosen = answer_ids(tokenizer, row.ground_truth)
+    chosen = ids_of(row.ground_truth, True)
     draw = rng.random()
     if draw < settings.sampled_fraction and pool.get(row.uid):
         return _Pair(prompt, chosen, rng.choice(pool[row.uid]), "sampled")
     if draw >= 1.0 - settings.malformed_fraction:
         text, eos = malformed_answer(row, rng)
-        rejected = answer_ids(tokenizer, text, eos=eos)
+        rejected = ids_of(text, eos)
         if rejected and rejected != chosen:
             return _Pair(prompt, chosen, rejected, "malformed")
-    return _Pair(prompt, chosen, answer_ids(tokenizer, near_miss_answer(row, rng)), "synthetic")
+    return _Pair(prompt, chosen, ids_of(near_miss_answer(row, rng), True), "synthetic")
 
 
 def _pair_scores(
@@ -620,9 +632,10 @@ def train_reward_model(
     }
     train_pool = _policy_rejections(init_path, tokenizer, train_rows, settings, own_seed)
     heldout_pool = _policy_rejections(init_path, tokenizer, heldout_rows, settings, seed + 1)
+    ids_of = cached_answer_ids(tokenizer)
     eval_rng = random.Random(seed + 1)
     heldout_pairs = [
-        _make_pair(row, prompts[row.uid], tokenizer, heldout_pool, settings, eval_rng)
+        _make_pair(row, prompts[row.uid], ids_of, heldout_pool, settings, eval_rng)
         for row in heldout_rows
         for _ in range(settings.eval_rejected_per_prompt)
     ]
@@ -635,7 +648,7 @@ def train_reward_model(
 
     def loss_fn(progress: float) -> torch.Tensor:
         batch = [
-            _make_pair(row, prompts[row.uid], tokenizer, train_pool, settings, rng)
+            _make_pair(row, prompts[row.uid], ids_of, train_pool, settings, rng)
             for row in rng.choices(train_rows, k=settings.pairs_per_step)
         ]
         chosen, rejected = _pair_scores(model, batch, tokenizer.pad_token_id)  # (N,), (N,)
