@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from xdist_groups import SERVER_MODULES
+
+SERVER_SCOPE = "prefect-server"  # the one unit of work of SERVER_MODULES
 
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="ppoflow-tests-"))
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect-home"))
@@ -44,16 +47,32 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _runs_flows(scope: str) -> bool:
+    """A unit of work whose tests run training flows (seconds to a minute each)."""
+    return scope == SERVER_SCOPE or scope.startswith("tests/flows/")
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadfile`, with the modules of ``SERVER_MODULES`` as one unit of work."""
+    """`--dist loadfile`, with the modules of ``SERVER_MODULES`` as one unit of work, and the
+    units that run flows handed out first (xdist's own order, most tests first, puts the flow
+    modules of a few long tests last, where one ran alone while the other processes had ended)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class ServerModulesTogether(LoadFileScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             module = super()._split_scope(nodeid)
-            return "prefect-server" if module in SERVER_MODULES else module
+            return SERVER_SCOPE if module in SERVER_MODULES else module
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # the queue is complete before the first unit goes out
+                self.ordered = True
+                units = sorted(self.workqueue.items(), key=lambda unit: not _runs_flows(unit[0]))
+                self.workqueue = OrderedDict(units)
+            super()._assign_work_unit(node)
 
     return ServerModulesTogether(config, log)
 

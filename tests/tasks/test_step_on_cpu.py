@@ -180,3 +180,45 @@ def test_every_shard_field_and_every_declared_read_or_write_is_a_store_field() -
             assert set(step.reads) | set(step.writes) <= set(VOCABULARY), (preset.name, step.name)
             assert set(step.writes) <= fields, (preset.name, step.name)
             assert set(step.reads) <= fields | {"loss_mask"}, (preset.name, step.name)
+
+
+class GroupMember(StoreWorker):
+    """A worker of a two-worker group whose torch.distributed group was never joined (as a
+    scoring worker's is not), with a small real causal LM for every role."""
+
+    spec = type("Spec", (), {"world_size": 2, "rank": 0})()
+    device, pad_id = torch.device("cpu"), 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+        )  # fmt: skip
+        self.module = LlamaForCausalLM(config).eval()
+
+    @contextlib.contextmanager
+    def awake(self, role: str) -> Iterator[Any]:
+        self.woken.append(role)
+        yield type("Model", (), {"module": self.module})()
+
+
+def test_the_teachers_pass_runs_its_own_micro_batches_and_a_training_pass_agrees_a_count() -> None:
+    """The teacher's pass (on scoring workers, which share no collective) computes alone on a
+    worker of a group; a training pass on the same worker asks the group for the count."""
+    from tasks.logprobs.stage import FORWARD_STEPS, TEACHER_STEP
+
+    worker, meta = _filled(loss_mask=False)
+    member = GroupMember()
+    member.store = worker.store
+    run_steps(member, meta, (TEACHER_STEP,))  # type: ignore[arg-type]
+    stored = member.store.get_fields(meta, ["teacher_logprobs"], timeout=0)["teacher_logprobs"]
+    rows = stored.unbind()
+    assert [len(r) for r in rows] == list(LENGTHS)
+    assert all(bool(((r < 0) & r.isfinite()).all()) for r in rows)
+    assert member.woken == ["teacher"]
+    with pytest.raises((RuntimeError, ValueError), match="process group"):
+        run_steps(member, meta, (FORWARD_STEPS["old_logprobs"],))  # type: ignore[arg-type]
