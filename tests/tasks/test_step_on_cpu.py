@@ -31,6 +31,7 @@ class StoreWorker:
     def __init__(self) -> None:
         self.store, self.cfg, self.applied = open_store("memory://"), load_config(None, []), {}
         self.woken: list[str] = []
+        self.module: torch.nn.Module = torch.nn.Identity()  # every role's
 
     def write(self, meta: BatchMeta, fields: dict[str, Any]) -> None:
         self.store.kv_batch_put(list(meta.keys), meta.partition_id, fields)
@@ -43,11 +44,11 @@ class StoreWorker:
     @contextlib.contextmanager
     def awake(self, role: str) -> Iterator[Any]:
         self.woken.append(role)
-        yield type("Model", (), {"module": torch.nn.Identity()})()
+        yield type("Model", (), {"module": self.module})()
 
 
-def _filled(loss_mask: bool) -> tuple[StoreWorker, BatchMeta]:
-    worker = StoreWorker()
+def _filled(loss_mask: bool, worker: StoreWorker | None = None) -> tuple[StoreWorker, BatchMeta]:
+    worker = worker or StoreWorker()
     fields: dict[str, Any] = {
         "prompt_ids": [torch.arange(1, 3) for _ in KEYS],
         "response_ids": [torch.arange(5, 5 + n) for n in LENGTHS],
@@ -200,20 +201,13 @@ class GroupMember(StoreWorker):
         )  # fmt: skip
         self.module = LlamaForCausalLM(config).eval()
 
-    @contextlib.contextmanager
-    def awake(self, role: str) -> Iterator[Any]:
-        self.woken.append(role)
-        yield type("Model", (), {"module": self.module})()
-
 
 def test_the_teachers_pass_runs_its_own_micro_batches_and_a_training_pass_agrees_a_count() -> None:
     """The teacher's pass (on scoring workers, which share no collective) computes alone on a
     worker of a group; a training pass on the same worker asks the group for the count."""
     from tasks.logprobs.stage import FORWARD_STEPS, TEACHER_STEP
 
-    worker, meta = _filled(loss_mask=False)
-    member = GroupMember()
-    member.store = worker.store
+    member, meta = _filled(loss_mask=False, worker=GroupMember())
     run_steps(member, meta, (TEACHER_STEP,))  # type: ignore[arg-type]
     stored = member.store.get_fields(meta, ["teacher_logprobs"], timeout=0)["teacher_logprobs"]
     rows = stored.unbind()
