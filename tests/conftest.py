@@ -1,6 +1,7 @@
 """Shared fixtures: a private local Ray instance and an isolated Prefect test harness.
 
-Every test session gets its own PREFECT_HOME and Ray temp dir, analytics off, and a SIGTERM
+Every test session gets its own PREFECT_HOME and Ray temp dir, analytics off, one OpenMP thread
+per process (``OMP_NUM_THREADS``, inherited by every process a test starts), and a SIGTERM
 handler that turns termination into KeyboardInterrupt so harness servers and Ray helpers are
 torn down instead of being left running.
 """
@@ -30,6 +31,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The tests run tiny models in several processes at once (test processes, Ray workers, runs they
+# start), which already outnumber the cores: one OpenMP thread per process spends fewer
+# CPU-seconds than each process's own pool of one thread per core.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
