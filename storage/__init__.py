@@ -9,10 +9,16 @@ store, and passes only a `BatchMeta` handle on::
     td = store.kv_batch_get(meta.keys, meta.partition_id, ["prompt_ids"], timeout=30)
 
 `ray://NAME?shards=2` puts the data in Ray actors that any process can open by name. Importing
-this package does not import Ray.
+this package imports neither Ray nor torch: `Store`, `open_store` and `DEFAULT_TIMEOUT_S` load
+their modules (and torch) when first used, so a Ray store shard, which imports only the modules
+it serves rows with, starts without torch.
 """
 
-from storage.base import DEFAULT_TIMEOUT_S, Store
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from storage.errors import (
     ConflictError,
     SchemaError,
@@ -21,9 +27,29 @@ from storage.errors import (
     StoreError,
     StoreTimeout,
 )
-from storage.factory import open_store
 from storage.meta import BatchMeta
 from storage.schema import VOCABULARY, FieldSpec, declare_field, registered_spec
+
+if TYPE_CHECKING:
+    from storage.base import DEFAULT_TIMEOUT_S, Store
+    from storage.factory import open_store
+
+_LOADED_ON_USE = {
+    "DEFAULT_TIMEOUT_S": "storage.base",
+    "Store": "storage.base",
+    "open_store": "storage.factory",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """`Store`, `open_store` and `DEFAULT_TIMEOUT_S`, from their modules on first use."""
+    module = _LOADED_ON_USE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'storage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -18,13 +18,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from storage.schema import FieldSpec
+
+if TYPE_CHECKING:
+    import torch
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -254,12 +256,16 @@ def decode_objects(column: Column) -> list[Any]:
 
 def tensor_from_numpy(values: AnyArray, dtype: torch.dtype) -> torch.Tensor:
     """A torch tensor sharing a writable numpy buffer (bfloat16 bits reinterpreted)."""
+    import torch
+
     tensor = torch.from_numpy(values)
     return tensor.view(dtype) if dtype == torch.bfloat16 else tensor
 
 
 def numpy_from_tensor(tensor: torch.Tensor) -> AnyArray:
     """A numpy view of a CPU tensor's data (moved to CPU first if needed); bfloat16 as uint16."""
+    import torch
+
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()

@@ -1,7 +1,8 @@
 """One shard of the Ray backend: an async actor holding the partitions of the keys hashed to it.
 
 The class is plain Python (the client wraps it with `ray.remote`), and this module imports
-neither tensordict nor, at import time, Ray, so a shard worker starts with torch and numpy only.
+neither torch nor tensordict nor, at import time, Ray: a shard worker starts with numpy only
+(`tests/storage/test_schema_meta.py` checks it).
 A shard answers two ways, on the same state (guarded by one `threading.Condition`):
 
 - Ray method calls on the actor's event loop, whose data are `storage.wire` messages in Ray's

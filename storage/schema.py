@@ -17,75 +17,85 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
-import torch
 
 from storage.errors import SchemaError
+
+if TYPE_CHECKING:
+    import torch
 
 Kind = Literal["dense", "jagged", "object"]
 KINDS: tuple[Kind, ...] = ("dense", "jagged", "object")
 
-# torch dtype -> numpy dtype that holds its bits (bfloat16 has no numpy twin: uint16 keeps its bits)
-_NUMPY_OF: dict[torch.dtype, np.dtype[Any]] = {
-    torch.bool: np.dtype(np.bool_),
-    torch.uint8: np.dtype(np.uint8),
-    torch.int8: np.dtype(np.int8),
-    torch.int16: np.dtype(np.int16),
-    torch.int32: np.dtype(np.int32),
-    torch.int64: np.dtype(np.int64),
-    torch.float16: np.dtype(np.float16),
-    torch.bfloat16: np.dtype(np.uint16),
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
+# a dtype's name (torch's, without "torch.") -> the numpy dtype that holds its bits (bfloat16 has
+# no numpy twin: uint16 keeps its bits). Specs hold names, so a process that only stores rows (a
+# Ray store shard) never imports torch.
+_NUMPY_OF: dict[str, np.dtype[Any]] = {
+    "bool": np.dtype(np.bool_),
+    "uint8": np.dtype(np.uint8),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
 }
-_DTYPE_BY_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in _NUMPY_OF}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.int64` -> `"int64"`."""
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """`torch.int64` (or `"int64"`) -> `"int64"`."""
     return str(dtype).removeprefix("torch.")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class FieldSpec:
     """What one row of a field holds.
 
     Attributes:
         kind: "dense", "jagged" or "object".
-        dtype: element dtype of dense and jagged fields; None for object fields.
+        dtype_name: element dtype of dense and jagged fields, by name (`"int64"`); None for
+            object fields. `dtype` is the torch dtype of that name.
         shape: per-sample shape of a dense field (`()` for one number per sample); jagged rows
             are 1-D, so their shape is always `()`.
     """
 
     kind: Kind
-    dtype: torch.dtype | None = None
-    shape: tuple[int, ...] = ()
+    dtype_name: str | None
+    shape: tuple[int, ...]
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
-        if self.kind not in KINDS:
-            raise SchemaError(f"field kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "object":
-            if self.dtype is not None or self.shape:
+    def __init__(
+        self, kind: Kind, dtype: torch.dtype | str | None = None, shape: tuple[int, ...] = ()
+    ) -> None:
+        """``dtype``: a torch dtype or its name (`torch.int64` or `"int64"`)."""
+        name = None if dtype is None else dtype_name(dtype)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "dtype_name", name)
+        object.__setattr__(self, "shape", tuple(int(n) for n in shape))
+        if kind not in KINDS:
+            raise SchemaError(f"field kind must be one of {KINDS}, got {kind!r}")
+        if kind == "object":
+            if dtype is not None or self.shape:
                 raise SchemaError("an object field has no dtype and no shape")
             return
-        if self.dtype not in _NUMPY_OF:
-            names = sorted(_DTYPE_BY_NAME)
-            raise SchemaError(f"{self.kind} field dtype must be one of {names}, got {self.dtype}")
-        if self.kind == "jagged" and self.shape:
+        named = isinstance(dtype, str) or str(dtype).startswith("torch.")
+        if not named or name not in _NUMPY_OF:
+            raise SchemaError(f"{kind} field dtype must be one of {sorted(_NUMPY_OF)}, got {dtype}")
+        if kind == "jagged" and self.shape:
             raise SchemaError("jagged rows are 1-D: a jagged FieldSpec takes no shape")
         if any(n < 0 for n in self.shape):
             raise SchemaError(f"dense shape must be non-negative, got {self.shape}")
 
     @classmethod
-    def dense(cls, dtype: torch.dtype, shape: tuple[int, ...] = ()) -> FieldSpec:
+    def dense(cls, dtype: torch.dtype | str, shape: tuple[int, ...] = ()) -> FieldSpec:
         """A fixed-shape tensor per sample: a batch is `(B, *shape)`."""
         return cls("dense", dtype, shape)
 
     @classmethod
-    def jagged(cls, dtype: torch.dtype) -> FieldSpec:
+    def jagged(cls, dtype: torch.dtype | str) -> FieldSpec:
         """A variable-length 1-D tensor per sample."""
         return cls("jagged", dtype)
 
@@ -95,64 +105,72 @@ class FieldSpec:
         return cls("object")
 
     @property
+    def dtype(self) -> torch.dtype | None:
+        """The torch dtype of dense and jagged elements (imports torch); None for objects."""
+        if self.dtype_name is None:
+            return None
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype_name)
+        return dtype
+
+    @property
     def np_dtype(self) -> np.dtype[Any]:
         """The numpy dtype of stored elements (uint8 UTF-8 JSON bytes for object fields)."""
-        return np.dtype(np.uint8) if self.dtype is None else _NUMPY_OF[self.dtype]
+        return np.dtype(np.uint8) if self.dtype_name is None else _NUMPY_OF[self.dtype_name]
 
     def describe(self) -> str:
         """Short text for messages: `jagged int64`, `dense float32 (3,)`, `object`."""
-        if self.dtype is None:
+        if self.dtype_name is None:
             return self.kind
-        text = f"{self.kind} {dtype_name(self.dtype)}"
+        text = f"{self.kind} {self.dtype_name}"
         return f"{text} {self.shape}" if self.shape else text
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-friendly dict; `FieldSpec.from_json` reverses it."""
-        dtype = None if self.dtype is None else dtype_name(self.dtype)
-        return {"kind": self.kind, "dtype": dtype, "shape": list(self.shape)}
+        return {"kind": self.kind, "dtype": self.dtype_name, "shape": list(self.shape)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FieldSpec:
         """Rebuilds a spec from `to_json` output; unknown kinds or dtypes raise SchemaError."""
         try:
             name = data["dtype"]
-            if name is not None and name not in _DTYPE_BY_NAME:
+            if name is not None and name not in _NUMPY_OF:
                 raise SchemaError(f"unknown dtype {name!r} in field spec {dict(data)}")
-            dtype = None if name is None else _DTYPE_BY_NAME[name]
-            return cls(cast(Kind, data["kind"]), dtype, tuple(data.get("shape", ())))
+            return cls(cast(Kind, data["kind"]), name, tuple(data.get("shape", ())))
         except (KeyError, TypeError) as exc:
             raise SchemaError(f"malformed field spec {data!r}: {exc}") from exc
 
 
 VOCABULARY: Mapping[str, FieldSpec] = MappingProxyType(
     {
-        "prompt_ids": FieldSpec.jagged(torch.int64),
-        "response_ids": FieldSpec.jagged(torch.int64),
+        "prompt_ids": FieldSpec.jagged("int64"),
+        "response_ids": FieldSpec.jagged("int64"),
         "raw_prompt": FieldSpec.objects(),
         "ground_truth": FieldSpec.objects(),
         "data_source": FieldSpec.objects(),
         "extra_info": FieldSpec.objects(),
-        "group_ids": FieldSpec.dense(torch.int64),
-        "rollout_logprobs": FieldSpec.jagged(torch.float32),
-        "old_logprobs": FieldSpec.jagged(torch.float32),
-        "ref_logprobs": FieldSpec.jagged(torch.float32),
-        "teacher_logprobs": FieldSpec.jagged(torch.float32),  # on-policy distillation's teacher
-        "values": FieldSpec.jagged(torch.float32),
-        "advantages": FieldSpec.jagged(torch.float32),
-        "returns": FieldSpec.jagged(torch.float32),
-        "rm_scores": FieldSpec.jagged(torch.float32),
-        "scores": FieldSpec.dense(torch.float32),
-        "rule_scores": FieldSpec.dense(torch.float32),
-        "rollout_version": FieldSpec.dense(torch.int64),
-        "truncated": FieldSpec.dense(torch.bool),  # the response was cut at the token cap
+        "group_ids": FieldSpec.dense("int64"),
+        "rollout_logprobs": FieldSpec.jagged("float32"),
+        "old_logprobs": FieldSpec.jagged("float32"),
+        "ref_logprobs": FieldSpec.jagged("float32"),
+        "teacher_logprobs": FieldSpec.jagged("float32"),  # on-policy distillation's teacher
+        "values": FieldSpec.jagged("float32"),
+        "advantages": FieldSpec.jagged("float32"),
+        "returns": FieldSpec.jagged("float32"),
+        "rm_scores": FieldSpec.jagged("float32"),
+        "scores": FieldSpec.dense("float32"),
+        "rule_scores": FieldSpec.dense("float32"),
+        "rollout_version": FieldSpec.dense("int64"),
+        "truncated": FieldSpec.dense("bool"),  # the response was cut at the token cap
         "reward_parts": FieldSpec.objects(),  # {part: unweighted value}: rm, rule, fn/<name>, ...
         "judge_verdicts": FieldSpec.objects(),  # the LLM judge's verdict text per sample
-        "loss_mask": FieldSpec.jagged(torch.bool),  # True on sampled tokens, False on tool tokens
+        "loss_mask": FieldSpec.jagged("bool"),  # True on sampled tokens, False on tool tokens
         "messages": FieldSpec.objects(),  # a multi-turn sample's whole conversation
-        "num_turns": FieldSpec.dense(torch.int64),  # assistant turns the policy generated
-        "tool_calls": FieldSpec.dense(torch.int64),  # tool calls the sample asked for
-        "tool_errors": FieldSpec.dense(torch.int64),  # of those, the ones that failed
-        "truncated_tool_responses": FieldSpec.dense(torch.int64),  # tool answers cut
+        "num_turns": FieldSpec.dense("int64"),  # assistant turns the policy generated
+        "tool_calls": FieldSpec.dense("int64"),  # tool calls the sample asked for
+        "tool_errors": FieldSpec.dense("int64"),  # of those, the ones that failed
+        "truncated_tool_responses": FieldSpec.dense("int64"),  # tool answers cut
     }
 )
 

@@ -121,6 +121,26 @@ def test_shards_on_this_node_are_reached_through_shared_memory(ray_store: Store,
 
 
 @pytest.mark.parametrize("fixture", STORES)
+def test_a_shards_process_holds_rows_without_loading_torch(
+    fixture: str, pid: str, request: pytest.FixtureRequest
+) -> None:
+    """Rows go into and out of a shard as numpy (jagged, dense and object fields, over either
+    transport): its process never loads torch."""
+    store: Store = request.getfixturevalue(fixture)
+    keys = [f"t{i}" for i in range(6)]  # both shards
+    ids = torch.nested.nested_tensor([torch.arange(i + 1) for i in range(6)], layout=torch.jagged)
+    store.kv_batch_put(keys, pid, {"prompt_ids": ids, "scores": torch.arange(6.0)})
+    store.kv_batch_put(keys[:1], pid, {"raw_prompt": ["what is 2+2?"]})
+    got = store.kv_batch_get(keys, pid, ["prompt_ids", "scores"], timeout=5)
+    assert [row.tolist() for row in got["prompt_ids"].unbind()] == [
+        list(range(i + 1)) for i in range(6)
+    ]
+    for shard_pid in _shard_pids(store):
+        maps = Path(f"/proc/{shard_pid}/maps").read_text()
+        assert "libtorch" not in maps, f"shard process {shard_pid} loaded torch"
+
+
+@pytest.mark.parametrize("fixture", STORES)
 def test_a_one_shard_put_is_one_request_once_its_specs_hold_on_every_shard(
     fixture: str, pid: str, request: pytest.FixtureRequest
 ) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,6 +50,8 @@ def test_field_spec_json_and_pickle_round_trip(spec: FieldSpec) -> None:
         lambda: FieldSpec("jagged", torch.int64, (2,)),
         lambda: FieldSpec("object", torch.int64),
         lambda: FieldSpec.dense(torch.float32, (-1,)),
+        lambda: FieldSpec.dense(np.dtype("float32")),  # a numpy dtype is not a field dtype
+        lambda: FieldSpec.jagged("float8"),
     ],
 )
 def test_bad_field_specs_are_refused(make: object) -> None:
@@ -97,6 +100,26 @@ def test_public_api_is_exported() -> None:
         assert hasattr(storage, name), name
     assert issubclass(storage.StoreTimeout, storage.StoreError)
     assert issubclass(storage.StoreTimeout, TimeoutError)
+
+
+def test_a_spec_holds_its_dtype_by_name_and_gives_the_torch_dtype() -> None:
+    spec = FieldSpec.jagged(torch.bfloat16)
+    assert spec == FieldSpec.jagged("bfloat16") and spec.dtype_name == "bfloat16"
+    assert spec.dtype is torch.bfloat16 and spec.np_dtype == np.uint16
+    assert FieldSpec.objects().dtype is None
+
+
+def test_a_store_shards_modules_do_not_import_torch() -> None:
+    """A Ray store shard's process imports storage.ray_shard and reads specs from JSON: no torch."""
+    code = (
+        "import sys, storage.ray_shard; from storage import FieldSpec, registered_spec; "
+        "spec = FieldSpec.from_json({'kind': 'jagged', 'dtype': 'float32', 'shape': []}); "
+        "assert spec == registered_spec('old_logprobs') and spec.np_dtype.name == 'float32'; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def test_importing_storage_does_not_import_ray() -> None:
