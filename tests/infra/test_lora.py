@@ -3,6 +3,8 @@ merged weights under plain keys, and the adapter and merged-model exports, on ti
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import cast
 
@@ -287,7 +289,14 @@ def _fsdp2_rank(rank: int, world: int, init: str, out: str) -> None:
                 }
             )
         )
+    # Every rank has finished before any leaves the group; the process then ends without C++
+    # exit handlers, where a joinable distributed thread would abort it after its work is done
+    # (as tests/infra/test_training.py's ranks do).
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 ROOT = Path(__file__).resolve().parents[2]
 
 TRAINER = """
-import json, sys
+import json, os, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 from transformers import AutoModelForCausalLM
@@ -105,7 +105,15 @@ for run in job["runs"]:
     if rank == 0:
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         torch.save({"state": state, "dtypes": dtypes}, run["out"])
+# Every rank has finished before any leaves the group. The process then ends without C++ exit
+# handlers: torch's distributed threads can still be joinable there, and a joinable
+# std::thread's destructor aborts the process ("terminate called without an active exception",
+# one run in about ten on a loaded machine) after its work is done and written.
+dist.barrier()
 dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
