@@ -182,7 +182,7 @@ def advantage_rows(
     worker: ModelWorker, meta: BatchMeta, *, plan: StepPlan, kl_coef: float
 ) -> Metrics:
     """Worker side: the batch's advantage step (``advantage_step``); returns its metrics."""
-    return run_steps(worker, meta, (advantage_step(plan, kl_coef),))
+    return run_steps(worker, meta, (advantage_step(plan, kl_coef),)).metrics
 
 
 @faults_at("advantage", lambda ctx: ctx.rt.train_group)

@@ -1,9 +1,10 @@
 """generate: sample ``n`` responses per prompt with the rollout engine.
 
 The task shards the prompts (each prompt's first sample key) over the rollout workers; each
-worker reads its prompts' ``prompt_ids`` from the store, generates, and writes
-``response_ids``, ``rollout_logprobs``, ``group_ids`` and ``rollout_version`` for its prompts'
-sample keys (``generate_rows``). The seed is a function of (run seed, step, shard), so a
+worker runs the rollout's declared step (``sampling_step``, ``tasks.step``) over its prompts'
+sample rows: it reads their ``prompt_ids`` (every sample row holds its prompt's fields), samples
+``n`` responses per prompt with the engine awake, and writes ``response_ids``,
+``rollout_logprobs``, ``group_ids`` and ``rollout_version`` (``generate_rows``). The seed is a function of (run seed, step, shard), so a
 retried task regenerates identical rows and its puts are no-ops.
 
 Multi-turn rollouts (``rollout.tools`` or ``rollout.max_turns`` > 1) run the agent loop
@@ -14,7 +15,7 @@ write ``loss_mask``, ``messages``, ``num_turns``, ``tool_calls``, ``tool_errors`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,8 +27,9 @@ from infra.engines import GenerationEngine
 from infra.tools import ToolPool, tool_schemas
 from infra.workers import ModelWorker
 from storage import BatchMeta
-from tasks.context import StageContext, faults_at
+from tasks.context import Metrics, StageContext, faults_at
 from tasks.io import nested, rows, write
+from tasks.step import Shard, WorkerStep, run_steps
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -109,8 +111,9 @@ def generate_rows(
     first_group: int,
     temperature: float | None = None,
 ) -> int:
-    """Worker side: read my prompts → ``n`` samples each (the rollout's ``Sampler``: one engine
-    call, or the agent loop) → write my samples' rows. Prompt i of the shard is group
+    """Worker side: the rollout's declared step (``sampling_step``) over my prompts' ``n``
+    sample rows each: read their prompt fields → sample with the engine awake (one engine
+    call, or the agent loop) → write the samples' rows. Prompt i of the shard is group
     ``first_group + i``. ``temperature`` overrides the rollout's (validation), and then no
     minimum length applies. Returns the policy version that generated them."""
     cfg = worker.cfg.rollout
@@ -119,47 +122,50 @@ def generate_rows(
         seed=seed,
         temperature=cfg.temperature if temperature is None else temperature,
         min_new_tokens=cfg.min_new_tokens if temperature is None else 0,
+        first_group=first_group,
     )
-    sampler = rollout_sampler(cfg)
-    data = worker.read(prompts, sampler.reads)
-    with worker.awake("rollout") as engine:
-        columns = sampler.sample(worker, engine, data, sampling)
-    provenance = _provenance(worker, len(prompts.keys), n=n, first_group=first_group)
-    worker.write(sample_meta(prompts, n), {**columns, **provenance})
+    run_steps(worker, sample_meta(prompts, n), (sampling_step(cfg, sampling),))
     return worker.version
 
 
 @dataclass(frozen=True)
 class Sampling:
     """How one generate call samples: ``n`` per prompt, the call's seed, its temperature and
-    minimum response length."""
+    minimum response length, and the group label of its first prompt."""
 
     n: int
     seed: int
     temperature: float
     min_new_tokens: int
+    first_group: int
 
 
-SampleFn = Callable[[ModelWorker, GenerationEngine, dict[str, Any], Sampling], dict[str, Any]]
+def sampling_step(cfg: RolloutConfig, sampling: Sampling) -> WorkerStep:
+    """The rollout's declared step over sample rows (each prompt's ``n`` rows, prompt-major,
+    every one holding its prompt's fields): the agent loop for multi-turn rollouts
+    (``rollout.tools`` or ``rollout.max_turns`` > 1), else one ``generate`` call."""
+    compute = _agent_samples if cfg.multi_turn else _single_turn_samples
+    return WorkerStep(
+        "generate",
+        AGENT_READS if cfg.multi_turn else READS,
+        "rollout",
+        functools.partial(compute, sampling=sampling),
+        rollout_writes(cfg),
+    )
 
 
-@dataclass(frozen=True)
-class Sampler:
-    """One kind of rollout: the prompt fields it reads, the function that samples them (the
-    columns it returns) and every field a generation of it writes."""
-
-    reads: tuple[str, ...]
-    sample: SampleFn
-    writes: tuple[str, ...]
+def rollout_writes(cfg: RolloutConfig) -> tuple[str, ...]:
+    """The fields a generation of the rollout writes."""
+    return WRITES + AGENT_WRITES if cfg.multi_turn else WRITES
 
 
 def _single_turn_samples(
-    worker: ModelWorker, engine: GenerationEngine, data: dict[str, Any], sampling: Sampling
-) -> dict[str, Any]:
+    worker: ModelWorker, engine: GenerationEngine, shard: Shard, *, sampling: Sampling
+) -> tuple[Shard, Metrics]:
     """One ``generate`` call: the responses and their log-probs."""
     cfg = worker.cfg.rollout
     out = engine.generate(
-        rows(data["prompt_ids"]),
+        rows(shard.need("prompt_ids"))[:: sampling.n],
         n=sampling.n,
         max_new_tokens=cfg.max_new_tokens,
         temperature=sampling.temperature,
@@ -167,22 +173,24 @@ def _single_turn_samples(
         seed=sampling.seed,
         min_new_tokens=sampling.min_new_tokens,
     )
-    return {
-        "response_ids": nested(out.response_ids),
-        "rollout_logprobs": nested(out.rollout_logprobs),
-    }
+    samples = Shard(
+        response_ids=nested(out.response_ids),
+        rollout_logprobs=nested(out.rollout_logprobs),
+        batch_size=shard.batch_size,
+    )
+    return _with_provenance(samples, worker, sampling), {}
 
 
 def _agent_samples(
-    worker: ModelWorker, engine: GenerationEngine, data: dict[str, Any], sampling: Sampling
-) -> dict[str, Any]:
+    worker: ModelWorker, engine: GenerationEngine, shard: Shard, *, sampling: Sampling
+) -> tuple[Shard, Metrics]:
     """The agent loop: one row per trajectory, with its loss mask, messages and tool counts."""
     cfg = worker.cfg.rollout
     out = run_agent_loop(
         engine,
         worker.tokenizer,
-        prompt_ids=rows(data["prompt_ids"]),
-        raw_prompts=list(data["raw_prompt"]),
+        prompt_ids=rows(shard.need("prompt_ids"))[:: sampling.n],
+        raw_prompts=shard.objects("raw_prompt")[:: sampling.n],
         n=sampling.n,
         seed=sampling.seed,
         rollout=cfg,
@@ -196,31 +204,30 @@ def _agent_samples(
     def ints(name: str) -> torch.Tensor:
         return torch.tensor([getattr(t, name) for t in out], dtype=torch.int64)  # (P * n,)
 
-    return {
-        "response_ids": nested([torch.tensor(t.response_ids, dtype=torch.int64) for t in out]),
-        "rollout_logprobs": nested(
+    samples = Shard(
+        response_ids=nested([torch.tensor(t.response_ids, dtype=torch.int64) for t in out]),
+        rollout_logprobs=nested(
             [torch.tensor(t.rollout_logprobs, dtype=torch.float32) for t in out]
         ),
-        "loss_mask": nested([torch.tensor(t.loss_mask, dtype=torch.bool) for t in out]),
-        "messages": [t.messages for t in out],
-        **{name: ints(name) for name in AGENT_COUNTS},
-    }
+        loss_mask=nested([torch.tensor(t.loss_mask, dtype=torch.bool) for t in out]),
+        messages=[t.messages for t in out],
+        num_turns=ints("num_turns"),
+        tool_calls=ints("tool_calls"),
+        tool_errors=ints("tool_errors"),
+        truncated_tool_responses=ints("truncated_tool_responses"),
+        batch_size=shard.batch_size,
+    )
+    return _with_provenance(samples, worker, sampling), {}
 
 
-SINGLE_TURN = Sampler(READS, _single_turn_samples, WRITES)
-AGENT = Sampler(AGENT_READS, _agent_samples, WRITES + AGENT_WRITES)
-
-
-def _provenance(
-    worker: ModelWorker, prompts: int, *, n: int, first_group: int
-) -> dict[str, torch.Tensor]:
-    """``group_ids`` (prompt i of the shard is group ``first_group + i``) and the
-    ``rollout_version`` of ``prompts * n`` samples, prompt-major."""
-    groups = torch.arange(first_group, first_group + prompts, dtype=torch.int64)  # (P,)
-    return {
-        "group_ids": groups.repeat_interleave(n),  # (P * n,)
-        "rollout_version": torch.full((prompts * n,), worker.version, dtype=torch.int64),
-    }
+def _with_provenance(samples: Shard, worker: ModelWorker, sampling: Sampling) -> Shard:
+    """``samples`` with their ``group_ids`` (prompt i of the shard is group ``first_group + i``)
+    and ``rollout_version``, prompt-major."""
+    count = samples.batch_size[0]  # P * n
+    groups = torch.arange(sampling.first_group, sampling.first_group + count // sampling.n)
+    samples.group_ids = groups.repeat_interleave(sampling.n)  # (P * n,)
+    samples.rollout_version = torch.full((count,), worker.version, dtype=torch.int64)
+    return samples
 
 
 def tool_pool(worker: ModelWorker) -> ToolPool:
@@ -266,15 +273,9 @@ def generate_partition(
     return meta.with_fields(*written(ctx))
 
 
-def rollout_sampler(cfg: RolloutConfig) -> Sampler:
-    """The agent loop for multi-turn rollouts (``rollout.tools`` or ``rollout.max_turns`` > 1),
-    else one ``generate`` call per shard."""
-    return AGENT if cfg.multi_turn else SINGLE_TURN
-
-
 def written(ctx: StageContext) -> tuple[str, ...]:
     """The fields the run's generations write."""
-    return rollout_sampler(ctx.cfg.rollout).writes
+    return rollout_writes(ctx.cfg.rollout)
 
 
 @faults_at("generate", lambda ctx: ctx.rt.rollout_group)

@@ -9,14 +9,16 @@ The per-sample score is
                (one model: its score)
 
 - the scoring workers (the reward pool's, else the rollout pool's) each take a shard of the
-  batch (``score_rows``): read ``prompt_ids``, ``response_ids``, ``raw_prompt`` (and
-  ``ground_truth`` for the rule) from the store; the reward model, when the worker holds one,
-  rebuilds right-padded masks from the lengths, re-renders the conversation from ``raw_prompt``
-  with the RM's own chat template when its tokenizer differs, and scores the last real token
-  with every member of an ensemble (``models.reward_model`` a list), combined by
-  ``tasks.score.core.ensemble_scores``; the worker writes ``rm_scores`` (jagged: that score on the last real response token, an empty
-  row for an empty response, never a score at index -1) and sends back its per-sample scalars.
-  The reward model sleeps again whatever happens (the worker's wake/sleep block).
+  batch and run the declared steps the batch asks for (``scoring_steps``, ``tasks.step``), which
+  read ``prompt_ids``, ``response_ids``, ``raw_prompt`` (and ``ground_truth`` for the rule) from
+  the store in one get; the reward model, when the worker holds one, rebuilds right-padded
+  masks from the lengths, re-renders the conversation from ``raw_prompt`` with the RM's own chat
+  template when its tokenizer differs, and scores the last real token with every member of an
+  ensemble (``models.reward_model`` a list), combined by ``tasks.score.core.ensemble_scores``;
+  the worker writes ``rm_scores`` (jagged: that score on the last real response token, an empty
+  row for an empty response, never a score at index -1) and sends back its per-sample scalars
+  (``score_rows``). The reward model sleeps again whatever happens (the worker's wake/sleep
+  block).
 - the LLM judge (``reward.judge``, ``infra.judge``), when the worker holds one, renders its
   prompt from each sample's question, decoded response, ``ground_truth`` and ``data_source`` and
   generates a verdict (at most ``reward.judge.max_new_tokens`` tokens, within the worker call's
@@ -60,10 +62,11 @@ producer, then resumed) are not scored again.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -83,11 +86,13 @@ from tasks.score.core import (
     score_metrics,
     truncated_rows,
 )
-from tasks.step import run_steps
+from tasks.step import Shard, WorkerStep, run_steps
 
 if TYPE_CHECKING:
     from infra.judge import JudgeScores
+    from infra.judge_model import Judge
     from infra.reward_functions import FunctionScores
+    from infra.reward_model import RewardScorer
 
 FUNCTION_READS = ("ground_truth", "data_source", "extra_info")  # in the flow process
 
@@ -122,16 +127,9 @@ def score_rows(
     judge: bool = False,
     teacher: bool = False,
 ) -> ShardScores:
-    """Worker side: score my samples; raises NonFiniteScoreError, writing nothing, on a NaN/inf
-    reward-model score.
-
-    1. Read what the asked parts need; measure lengths and truncation.
-    2. The reward model (if held and ``model``) → write ``rm_scores``.
-    3. The distillation teacher's log-probs (if ``teacher``; its declared step, ``TEACHER_STEP``)
-       → write ``teacher_logprobs``.
-    4. Decode the responses (a conversation's final answer) for the judge's verdicts (if
-       ``judge``), the rule (if ``rule``) and the reward functions' texts (if ``texts``).
-    """
+    """Worker side: the declared scoring steps the batch asks for (``scoring_steps``) over my
+    samples, and their reply; raises NonFiniteScoreError, writing nothing, on a NaN/inf
+    reward-model score."""
     model = model and worker.has("reward")
     asked: dict[Role, bool] = {"judge": judge, "teacher": teacher}
     for role, wanted in asked.items():
@@ -140,97 +138,161 @@ def score_rows(
                 f"the {role} was asked to score but worker {worker.spec.rank} (roles "
                 f"{', '.join(worker.spec.roles)}) holds none"
             )
-    # 1.
-    decodes = bool(rule or texts or judge)
-    conversations = worker.cfg.rollout.multi_turn and (model or decodes)
-    names = (
-        ("prompt_ids", "response_ids")
-        + (("raw_prompt",) if model or judge else ())
-        + (("ground_truth",) if rule or judge else ())
-        + (("data_source",) if judge else ())
-        + (("messages",) if conversations else ())
+    steps = scoring_steps(
+        worker.cfg.rollout.multi_turn,
+        shard,
+        seed=worker.cfg.seed,
+        rule=rule,
+        texts=texts,
+        model=model,
+        judge=judge,
+        teacher=teacher,
     )
-    data = worker.read(shard, names)
-    responses = rows(data["response_ids"])
-    n = lengths(data["response_ids"])  # (B,)
+    ran = run_steps(worker, shard, steps)
+    out, metrics = ran.returned, ran.metrics
+    reply = ShardScores(
+        response_lengths=out.need("response_lengths").tolist(),
+        response_truncated=out.need("truncated").tolist(),
+        texts=out.objects("response_text") if texts else None,
+        verdicts=out.objects("judge_verdicts") if judge else None,
+        rule=out.need("rule_scores").tolist() if rule else None,
+    )
+    if model:
+        reply.rm, reply.truncated = out.need("rm").tolist(), int(metrics["rm/truncated"])
+        reply.rm_mean, reply.rm_std = out.need("rm_mean").tolist(), out.need("rm_std").tolist()
+        reply.rm_members = int(metrics["rm/members"])
+    return reply
+
+
+def scoring_steps(
+    multi_turn: bool,
+    shard: BatchMeta,
+    *,
+    seed: int,
+    rule: str | None,
+    texts: bool,
+    model: bool,
+    judge: bool,
+    teacher: bool,
+) -> tuple[WorkerStep, ...]:
+    """The declared steps that score ``shard``'s samples, in order (one store read for all):
+
+    1. ``score/lengths``: returns each response's length (``response_lengths``) and whether it
+       was cut at ``rollout.max_new_tokens`` without EOS (``truncated``).
+    2. ``score/rm`` (if ``model``): the reward model, awake → writes ``rm_scores``, returns
+       ``rm``, ``rm_mean``, ``rm_std``.
+    3. ``teacher_logprobs`` (if ``teacher``): the distillation teacher's declared step
+       (``TEACHER_STEP``) → writes ``teacher_logprobs``.
+    4. ``score/decode`` (if the judge, the rule or reward functions need texts): the responses
+       (a conversation's final answer) as ``response_text``.
+    5. ``score/judge`` (if ``judge``): the judge, awake → returns ``judge_verdicts``.
+    6. ``score/rule`` (if ``rule``): ``RULES[rule]`` → returns ``rule_scores``.
+    """
+    conversation = ("messages",) if multi_turn else ()
+    measured = ("response_lengths", "truncated")
+    steps = [WorkerStep("score/lengths", ("response_ids",), None, _measured, (), measured)]
+    if model:
+        reads = ("prompt_ids", "response_ids", "raw_prompt", *conversation)
+        compute = functools.partial(_reward_model_scores, keys=shard, multi_turn=multi_turn)
+        steps.append(WorkerStep("score/rm", reads, "reward", compute, ("rm_scores",), RM_RETURNS))
+    if teacher:
+        steps.append(TEACHER_STEP)
+    if rule or texts or judge:
+        reads = conversation or ("response_ids",)
+        steps.append(WorkerStep("score/decode", reads, None, _decoded, (), ("response_text",)))
+    if judge:
+        where = f"{shard.partition_id}/{shard.keys[0] if shard.keys else ''}"
+        compute = functools.partial(_judge_verdicts, seed=seed + zlib.crc32(where.encode()))
+        steps.append(
+            WorkerStep("score/judge", JUDGE_READS, "judge", compute, (), ("judge_verdicts",))
+        )
+    if rule:
+        compute = functools.partial(_rule_scores, rule=rule)
+        reads = ("response_text", "ground_truth")
+        steps.append(WorkerStep("score/rule", reads, None, compute, (), ("rule_scores",)))
+    return tuple(steps)
+
+
+RM_RETURNS = ("rm", "rm_mean", "rm_std")
+JUDGE_READS = ("raw_prompt", "response_text", "ground_truth", "data_source")
+
+
+def _measured(worker: ModelWorker, _: None, shard: Shard) -> tuple[Shard, Metrics]:
+    """Each response's length, and whether it was cut at ``rollout.max_new_tokens`` without
+    EOS."""
     cut = truncated_rows(
-        response_ids=responses,
+        response_ids=rows(shard.need("response_ids")),
         eos_ids=worker.eos_ids,
         max_new_tokens=worker.cfg.rollout.max_new_tokens,
     )  # (B,)
-    out = ShardScores(response_lengths=n.tolist(), response_truncated=cut.tolist())
-    # 2.
-    if model:
-        reward_model_scores(worker, shard, data, n, out)
-    # 3.
-    if teacher:
-        run_steps(worker, shard, (TEACHER_STEP,))
-    # 4.
-    if decodes:
-        decoded = _decoded(worker, data, responses)
-        if judge:
-            out.verdicts = judge_verdicts(worker, shard, data, decoded)
-        if rule:
-            out.rule = rule_on_texts(rule, decoded, data["ground_truth"]).tolist()
-        if texts:
-            out.texts = decoded
-    return out
+    n = lengths(shard.need("response_ids"))  # (B,)
+    return Shard(truncated=cut, response_lengths=n, batch_size=shard.batch_size), {}
 
 
-def reward_model_scores(
+def _reward_model_scores(
     worker: ModelWorker,
-    shard: BatchMeta,
-    data: dict[str, Any],
-    response_lengths: torch.Tensor,
-    out: ShardScores,
-) -> None:
-    """Worker side: the reward model (one or an ensemble, awake for the block) scores my
-    samples (``data`` as ``score_rows`` read them; a multi-turn rollout's ``messages`` are the
-    conversations, for a reward model with its own template) → write ``rm_scores`` (the
-    ensemble's score on each response's last token) and fill ``out``'s reward-model fields;
-    raises NonFiniteScoreError, writing nothing, on a NaN/inf."""
-    with worker.awake("reward") as scorer:
-        scored = scorer.score(
-            prompt_ids=rows(data["prompt_ids"]),
-            response_ids=rows(data["response_ids"]),
-            raw_prompt=data["raw_prompt"],
-            conversations=data.get("messages"),
-        )
+    scorer: RewardScorer,
+    shard: Shard,
+    *,
+    keys: BatchMeta,
+    multi_turn: bool,
+) -> tuple[Shard, Metrics]:
+    """The reward model (one or an ensemble) scores the samples (a multi-turn rollout's
+    ``messages`` are the conversations, for a reward model with its own template): ``rm_scores``
+    (the ensemble's score on each response's last token) and the per-sample ``rm``,
+    ``rm_mean``, ``rm_std``; raises NonFiniteScoreError on a NaN/inf, naming ``keys``'s
+    samples."""
+    scored = scorer.score(
+        prompt_ids=rows(shard.need("prompt_ids")),
+        response_ids=rows(shard.need("response_ids")),
+        raw_prompt=shard.objects("raw_prompt"),
+        conversations=shard.objects("messages") if multi_turn else None,
+    )
     ensemble = ensemble_scores(
         scored.member_scores, uncertainty_penalty=worker.cfg.reward.uncertainty_penalty
     )
     rm = ensemble.score  # (B,)
     bad = find_nonfinite(rm)
     if bad:
-        named = [shard.keys[i] for i in bad]
+        named = [keys.keys[i] for i in bad]
         raise NonFiniteScoreError(
             f"reward model returned non-finite scores for {len(named)} sample(s) in "
-            f"{shard.partition_id}: {named[:8]}{' …' if len(named) > 8 else ''}; nothing was written"
+            f"{keys.partition_id}: {named[:8]}{' …' if len(named) > 8 else ''}; nothing was written"
         )
-    worker.write(shard, {"rm_scores": nested(assemble_rm_scores(rm, response_lengths))})
-    out.rm, out.truncated = rm.tolist(), int(scored.truncated.sum())
-    out.rm_mean, out.rm_std = ensemble.mean.tolist(), ensemble.std.tolist()
-    out.rm_members = int(scored.member_scores.shape[1])
+    n = lengths(shard.need("response_ids"))  # (B,)
+    out = Shard(
+        rm_scores=nested(assemble_rm_scores(rm, n)),
+        rm=rm,
+        rm_mean=ensemble.mean,
+        rm_std=ensemble.std,
+        batch_size=shard.batch_size,
+    )
+    counts = {
+        "rm/truncated": float(scored.truncated.sum()),
+        "rm/members": float(scored.member_scores.shape[1]),
+    }
+    return out, counts
 
 
-def _decoded(worker: ModelWorker, data: dict[str, Any], responses: list[torch.Tensor]) -> list[str]:
+def _decoded(worker: ModelWorker, _: None, shard: Shard) -> tuple[Shard, Metrics]:
     """The responses as text; a multi-turn rollout's is its conversation's final answer (of
-    the ``messages`` ``score_rows`` read)."""
+    its ``messages``)."""
     if worker.cfg.rollout.multi_turn:
         from infra.agent_loop import final_answer
 
-        return [final_answer(chat) for chat in data["messages"]]
-    return list(
-        worker.tokenizer.batch_decode([r.tolist() for r in responses], skip_special_tokens=True)
-    )
+        texts = [final_answer(chat) for chat in shard.objects("messages")]
+    else:
+        ids = [r.tolist() for r in rows(shard.need("response_ids"))]
+        texts = list(worker.tokenizer.batch_decode(ids, skip_special_tokens=True))
+    return Shard(response_text=texts, batch_size=shard.batch_size), {}
 
 
-def judge_verdicts(
-    worker: ModelWorker, shard: BatchMeta, data: dict[str, Any], decoded: list[str]
-) -> list[str]:
-    """Worker side: the judge's verdict on each of my samples (its model awake for the block).
-    Sampling (``reward.judge.temperature`` > 0) is seeded by the run's seed, the partition and
-    the shard's first key, so a retried shard samples the same verdicts."""
+def _judge_verdicts(
+    worker: ModelWorker, judge: Judge, shard: Shard, *, seed: int
+) -> tuple[Shard, Metrics]:
+    """The judge's verdict on each sample. Sampling (``reward.judge.temperature`` > 0) is
+    seeded by the run's seed, the partition and the shard's first key, so a retried shard
+    samples the same verdicts."""
     from infra.judge import JudgeInput, question_text
 
     samples = [
@@ -241,13 +303,21 @@ def judge_verdicts(
             data_source=str(source),
         )
         for prompt, text, truth, source in zip(
-            data["raw_prompt"], decoded, data["ground_truth"], data["data_source"], strict=True
+            shard.objects("raw_prompt"),
+            shard.objects("response_text"),
+            shard.objects("ground_truth"),
+            shard.objects("data_source"),
+            strict=True,
         )
     ]
-    where = f"{shard.partition_id}/{shard.keys[0] if shard.keys else ''}"
-    seed = worker.cfg.seed + zlib.crc32(where.encode())
-    with worker.awake("judge") as judge:
-        return judge.verdicts(samples, seed=seed)
+    verdicts = judge.verdicts(samples, seed=seed)
+    return Shard(judge_verdicts=verdicts, batch_size=shard.batch_size), {}
+
+
+def _rule_scores(worker: ModelWorker, _: None, shard: Shard, *, rule: str) -> tuple[Shard, Metrics]:
+    """``RULES[rule]`` of each decoded response against its ground truth."""
+    scores = rule_on_texts(rule, shard.objects("response_text"), shard.objects("ground_truth"))
+    return Shard(rule_scores=scores, batch_size=shard.batch_size), {}
 
 
 def rule_on_texts(rule: str, texts: list[str], ground_truth: list[object]) -> torch.Tensor:

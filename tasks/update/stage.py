@@ -164,7 +164,9 @@ def update_rows(
 ) -> Metrics:
     """Worker side, at most once per step (``run_steps``'s ``once``): the update's steps
     (``update_steps``) on my samples; returns their metrics."""
-    return run_steps(worker, shard, update_steps(reads, actor, critic), once=f"update@{step}")
+    return run_steps(
+        worker, shard, update_steps(reads, actor, critic), once=f"update@{step}"
+    ).metrics
 
 
 def _trainer_inputs(

@@ -58,18 +58,20 @@ class _Engine:
 
 
 class _GenerateWorker:
-    def __init__(self) -> None:
-        self.cfg, self.version, self.engine, self.written = load_config(None, []), 0, _Engine(), {}
+    """What ``generate_rows`` uses of a ``ModelWorker``: its config, version, store and writes,
+    and the rollout engine."""
 
-    def read(self, meta: BatchMeta, fields: tuple[str, ...]) -> dict[str, Any]:
-        return {"prompt_ids": nested([torch.arange(5) for _ in meta.keys])}
+    def __init__(self) -> None:
+        self.cfg, self.version, self.engine = load_config(None, []), 0, _Engine()
+        self.store = open_store("memory://")
 
     @contextlib.contextmanager
     def awake(self, role: str) -> Iterator[_Engine]:
+        assert role == "rollout"
         yield self.engine
 
     def write(self, meta: BatchMeta, values: dict[str, Any]) -> None:
-        self.written.update(values)
+        self.store.kv_batch_put(list(meta.keys), meta.partition_id, values)
 
 
 def test_single_turn_generate_makes_one_call_and_writes_no_agent_field(monkeypatch) -> None:
@@ -79,9 +81,18 @@ def test_single_turn_generate_makes_one_call_and_writes_no_agent_field(monkeypat
     monkeypatch.setattr(generate_stage, "run_agent_loop", agent_loop)
     worker = _GenerateWorker()
     prompts = BatchMeta("train/step-000000", ("a/0", "b/0"), ())
-    generate_stage.generate_rows(worker, prompts, n=2, seed=0, first_group=0)  # type: ignore[arg-type]
+    samples = generate_stage.sample_meta(prompts, 2)
+    worker.store.kv_batch_put(
+        list(samples.keys), samples.partition_id, {"prompt_ids": [torch.arange(5)] * 4}
+    )
+    generate_stage.generate_rows(worker, prompts, n=2, seed=3, first_group=5)  # type: ignore[arg-type]
     assert worker.engine.calls == 1
-    assert tuple(worker.written) == generate_stage.WRITES
+    stored = worker.store.kv_list(samples.partition_id)
+    assert {k: set(v) for k, v in stored.items()} == {
+        k: {"prompt_ids", *generate_stage.WRITES} for k in samples.keys
+    }
+    got = worker.store.get_fields(samples, ["group_ids", "rollout_version"], timeout=0)
+    assert got["group_ids"].tolist() == [5, 5, 6, 6] and got["rollout_version"].tolist() == [0] * 4
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])

@@ -84,8 +84,10 @@ def test_a_field_the_step_did_not_read_is_none_and_needing_it_names_it() -> None
     assert shard.response_ids is None and shard.response_mask is None
     with pytest.raises(KeyError, match="'advantages'.*declare it in its reads"):
         shard.need("advantages")
-    with pytest.raises(KeyError, match="no field 'raw_prompt'"):
-        shard_of({"scores": torch.zeros(3), "raw_prompt": ["a", "b", "c"]}, 3)
+    with pytest.raises(KeyError, match="no field 'extra_info'"):
+        shard_of({"scores": torch.zeros(3), "extra_info": [{}, {}, {}]}, 3)
+    with pytest.raises(TypeError, match="'scores' is a tensor: take it with Shard.need"):
+        shard.objects("scores")
 
 
 def test_the_score_sits_on_the_last_sampled_token_and_tool_tokens_carry_no_advantage() -> None:
@@ -127,8 +129,8 @@ def test_run_steps_reads_wakes_computes_and_writes_what_each_step_declares_once(
         WorkerStep("double", ("response_ids",), "actor", _double, ("advantages",)),
         WorkerStep("sum", (), None, _sum_of_advantages, ()),
     )
-    first = run_steps(worker, meta, steps, once="double@1")  # type: ignore[arg-type]
-    again = run_steps(worker, meta, steps, once="double@1")  # type: ignore[arg-type]
+    first = run_steps(worker, meta, steps, once="double@1").metrics  # type: ignore[arg-type]
+    again = run_steps(worker, meta, steps, once="double@1").metrics  # type: ignore[arg-type]
     assert first == again == {"calls": 1.0, "sum": 2.0 * (5 + 6 + 7 + 5 + 6 + 5 + 6 + 7 + 8)}
     assert worker.woken == ["actor"]  # the retry applied nothing
     stored = worker.store.get_fields(meta, ["advantages"], timeout=0)["advantages"]
@@ -152,19 +154,70 @@ def test_a_shard_of_a_dict_builds_the_same_mask_as_one_read_from_the_store() -> 
     )
 
 
+def _objects(worker: Any, module: Any, shard: Shard) -> tuple[Shard, Metrics]:
+    """Returns each row's prompt text with its ground truth appended (object fields)."""
+    texts = [f"{p}={g}" for p, g in zip(shard.objects("raw_prompt"), shard.objects("ground_truth"))]
+    return Shard(response_text=texts, batch_size=shard.batch_size), {}
+
+
+def _verdicts(worker: Any, module: Any, shard: Shard) -> tuple[Shard, Metrics]:
+    """Writes a verdict per row from the text an earlier step of the sequence returned."""
+    verdicts = [f"<{t}>" for t in shard.objects("response_text")]
+    return Shard(judge_verdicts=verdicts, batch_size=shard.batch_size), {"rows": 3.0}
+
+
+def _fails(worker: Any, module: Any, shard: Shard) -> tuple[Shard, Metrics]:
+    raise RuntimeError("the scorer failed")
+
+
+def test_a_step_reads_what_an_earlier_one_returned_from_the_shard_not_the_store() -> None:
+    """Object fields go in and out; a field an earlier step computes is not read from the
+    store; returned fields come back and are not stored; a failing step writes nothing."""
+    from tasks.step import store_reads
+
+    worker, meta = _filled(loss_mask=False)
+    worker.store.kv_batch_put(
+        list(KEYS), PARTITION, {"raw_prompt": ["a", "b", "c"], "ground_truth": [1, 2, 3]}
+    )
+    steps = (
+        WorkerStep("text", ("raw_prompt", "ground_truth"), None, _objects, (), ("response_text",)),
+        WorkerStep("judge", ("response_text",), "judge", _verdicts, ("judge_verdicts",)),
+    )
+    assert store_reads(steps) == ("raw_prompt", "ground_truth")
+    ran = run_steps(worker, meta, steps)  # type: ignore[arg-type]
+    assert ran.metrics == {"rows": 3.0} and worker.woken == ["judge"]
+    assert ran.returned.objects("response_text") == ["a=1", "b=2", "c=3"]
+    assert ran.returned.judge_verdicts is None  # written, not returned
+    stored = worker.store.get_fields(meta, ["judge_verdicts"], timeout=0)["judge_verdicts"]
+    assert stored == ["<a=1>", "<b=2>", "<c=3>"]
+    assert "response_text" not in worker.store.kv_list(PARTITION)[KEYS[0]]
+    failing = (
+        WorkerStep("double", ("response_ids",), "actor", _double, ("advantages",)),
+        WorkerStep("fails", (), None, _fails, ("scores",)),
+    )
+    with pytest.raises(RuntimeError, match="the scorer failed"):
+        run_steps(worker, meta, failing)  # type: ignore[arg-type]
+    assert "advantages" not in worker.store.kv_list(PARTITION)[KEYS[0]]
+
+
 def test_every_shard_field_and_every_declared_read_or_write_is_a_store_field() -> None:
-    """The shard speaks the store's vocabulary (``response_mask`` aside, which no stage
-    stores), and so does every declared step, for every plan the presets make."""
+    """The shard speaks the store's vocabulary (aside from the fields no stage stores), and so
+    does every declared step, for every plan the presets make."""
+    from dataclasses import fields as dataclass_fields
     from pathlib import Path
 
     from storage.schema import VOCABULARY
     from tasks.advantage.stage import advantage_step
+    from tasks.generate.stage import Sampling, sampling_step
     from tasks.logprobs.stage import FORWARD_STEPS, TEACHER_STEP
+    from tasks.score.stage import scoring_steps
+    from tasks.step import UNSTORED
     from tasks.update.settings import actor_settings, critic_settings
     from tasks.update.stage import update_steps
 
-    fields = {f.name for f in Shard.fields()}
-    assert len(fields) == 17 and fields - {"response_mask"} <= set(VOCABULARY)
+    fields = {f.name for f in dataclass_fields(Shard)}
+    assert len(fields) == 31 and fields - UNSTORED <= set(VOCABULARY)
+    assert fields >= UNSTORED and not UNSTORED & set(VOCABULARY)
     presets = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
     assert presets
     for preset in presets:
@@ -176,11 +229,20 @@ def test_every_shard_field_and_every_declared_read_or_write_is_a_store_field() -
             TEACHER_STEP,
             advantage_step(plan, 0.0),
             *update_steps(plan.update_reads, actor_settings(cfg, 1, plan), critic),
-        )
+            sampling_step(cfg.rollout, Sampling(2, 0, 1.0, 0, 0)),
+            *scoring_steps(
+                cfg.rollout.multi_turn, BatchMeta(PARTITION, KEYS, ()), seed=0, rule="exact_match", texts=True,
+                model=True, judge=True, teacher=True,
+            ),
+        )  # fmt: skip
         for step in steps:
-            assert set(step.reads) | set(step.writes) <= set(VOCABULARY), (preset.name, step.name)
-            assert set(step.writes) <= fields, (preset.name, step.name)
-            assert set(step.reads) <= fields | {"loss_mask"}, (preset.name, step.name)
+            assert set(step.writes) <= set(VOCABULARY), (preset.name, step.name)
+            assert set(step.reads) - UNSTORED <= set(VOCABULARY), (preset.name, step.name)
+            assert not set(step.writes) & UNSTORED, (preset.name, step.name)
+            assert set(step.reads) | set(step.writes) | set(step.returns) <= fields, (
+                preset.name,
+                step.name,
+            )
 
 
 class GroupMember(StoreWorker):

@@ -103,7 +103,7 @@ def test_truncated_rows_leave_the_actors_loss_as_if_they_were_not_there() -> Non
         worker = StandInWorker(store, copy.deepcopy(reference))
         shard = BatchMeta("train/step-000001", tuple(keys[i] for i in rows), ())
         steps = update_steps((*reads, "truncated") if masked else reads, settings, None)
-        metrics = run_steps(worker, shard, steps)  # type: ignore[arg-type]
+        metrics = run_steps(worker, shard, steps).metrics  # type: ignore[arg-type]
         return worker.actor.module, metrics
 
     masked, masked_metrics = update(list(range(6)), masked=True)
