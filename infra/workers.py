@@ -65,6 +65,7 @@ from infra.engines.probe import (
 from infra.faults import EXIT_STATUS, WorkerFault
 from infra.kernels import fuse_activations
 from storage import BatchMeta
+from storage.schema import dtype_name
 
 if TYPE_CHECKING:
     from infra.engines.base import GenerationEngine, Sleepable
@@ -609,7 +610,7 @@ class ModelWorker:
         # save_pretrained records the parameters' dtype (float32 masters); the folder holds these.
         config = out / role / "config.json"
         fields = json.loads(config.read_text())
-        fields["dtype"] = str(self.dtype).removeprefix("torch.")
+        fields["dtype"] = dtype_name(self.dtype)
         config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
         if role == "actor":
             self.tokenizer.save_pretrained(out / role)

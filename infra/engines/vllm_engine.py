@@ -61,6 +61,7 @@ from infra.engines.base import (
 )
 from infra.engines.vllm_extension import LOAD_METHOD, WORKER_EXTENSION, write_weights
 from infra.text import first_line
+from storage.schema import dtype_name
 
 __all__ = [
     "MISSING",
@@ -84,10 +85,6 @@ class VLLMEngineFailedError(EngineFailedError):
 def is_vllm_available() -> bool:
     """True when the ``vllm`` package can be imported (nothing is imported here)."""
     return importlib.util.find_spec("vllm") is not None
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
 
 
 MISSING = (
@@ -144,7 +141,7 @@ def llm_options(
         )
     options: dict[str, Any] = {
         "model": str(model_path),
-        "dtype": _dtype_name(dtype),
+        "dtype": dtype_name(dtype),
         "tensor_parallel_size": tensor_parallel_size,
         "seed": seed,
         "logprobs_mode": "processed_logprobs",
@@ -233,7 +230,7 @@ class VLLMEngine:
         self._sleep_mode = bool(options.get("enable_sleep_mode"))
         self._llm = _build_llm(options, on_cpu=torch.device(device).type == "cpu")
         # The synced file holds what the engine stores; "auto" keeps the trainer's dtype.
-        stored = getattr(torch, _dtype_name(dtype), None)
+        stored = getattr(torch, dtype_name(dtype), None)
         self._weights_dtype = stored if isinstance(stored, torch.dtype) else None
         self._stop_token_ids = list(eos_ids(eos_token_id))
         self._awake = True
