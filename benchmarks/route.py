@@ -124,6 +124,7 @@ def run(repo: Path, work: Path) -> dict[str, Any]:
     os.environ.update(ROUTE_REPO=str(repo), ROUTE_DIR=str(work / "trace"))
     (work / "trace").mkdir(parents=True)
     sys.path.insert(0, str(repo))
+    os.chdir(repo)  # Ray's workers put the driver's working folder first on their path
     import ray
 
     from infra.assets import build_tiny_assets
