@@ -166,7 +166,7 @@ def score_rows(
 
 def scoring_steps(
     multi_turn: bool,
-    shard: BatchMeta,
+    meta: BatchMeta,
     *,
     seed: int,
     rule: str | None,
@@ -175,7 +175,7 @@ def scoring_steps(
     judge: bool,
     teacher: bool,
 ) -> tuple[WorkerStep, ...]:
-    """The declared steps that score ``shard``'s samples, in order (one store read for all):
+    """The declared steps that score ``meta``'s samples, in order (one store read for all):
 
     1. ``score/lengths``: returns each response's length (``response_lengths``) and whether it
        was cut at ``rollout.max_new_tokens`` without EOS (``truncated``).
@@ -193,7 +193,7 @@ def scoring_steps(
     steps = [WorkerStep("score/lengths", ("response_ids",), None, _measured, (), measured)]
     if model:
         reads = ("prompt_ids", "response_ids", "raw_prompt", *conversation)
-        compute = functools.partial(_reward_model_scores, keys=shard, multi_turn=multi_turn)
+        compute = functools.partial(_reward_model_scores, meta=meta, multi_turn=multi_turn)
         steps.append(WorkerStep("score/rm", reads, "reward", compute, ("rm_scores",), RM_RETURNS))
     if teacher:
         steps.append(TEACHER_STEP)
@@ -201,7 +201,7 @@ def scoring_steps(
         reads = conversation or ("response_ids",)
         steps.append(WorkerStep("score/decode", reads, None, _decoded, (), ("response_text",)))
     if judge:
-        where = f"{shard.partition_id}/{shard.keys[0] if shard.keys else ''}"
+        where = f"{meta.partition_id}/{meta.keys[0] if meta.keys else ''}"
         compute = functools.partial(_judge_verdicts, seed=seed + zlib.crc32(where.encode()))
         steps.append(
             WorkerStep("score/judge", JUDGE_READS, "judge", compute, (), ("judge_verdicts",))
@@ -234,14 +234,14 @@ def _reward_model_scores(
     scorer: RewardScorer,
     shard: Shard,
     *,
-    keys: BatchMeta,
+    meta: BatchMeta,
     multi_turn: bool,
 ) -> tuple[Shard, Metrics]:
     """The reward model (one or an ensemble) scores the samples (a multi-turn rollout's
     ``messages`` are the conversations, for a reward model with its own template): ``rm_scores``
     (the ensemble's score on each response's last token) and the per-sample ``rm``,
-    ``rm_mean``, ``rm_std``; raises NonFiniteScoreError on a NaN/inf, naming ``keys``'s
-    samples."""
+    ``rm_mean``, ``rm_std``; raises NonFiniteScoreError on a NaN/inf, naming the samples'
+    keys (``meta``'s)."""
     scored = scorer.score(
         prompt_ids=rows(shard.need("prompt_ids")),
         response_ids=rows(shard.need("response_ids")),
@@ -254,10 +254,10 @@ def _reward_model_scores(
     rm = ensemble.score  # (B,)
     bad = find_nonfinite(rm)
     if bad:
-        named = [keys.keys[i] for i in bad]
+        named = [meta.keys[i] for i in bad]
         raise NonFiniteScoreError(
             f"reward model returned non-finite scores for {len(named)} sample(s) in "
-            f"{keys.partition_id}: {named[:8]}{' …' if len(named) > 8 else ''}; nothing was written"
+            f"{meta.partition_id}: {named[:8]}{' …' if len(named) > 8 else ''}; nothing was written"
         )
     n = lengths(shard.need("response_ids"))  # (B,)
     out = Shard(
