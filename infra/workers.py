@@ -5,8 +5,9 @@ model, or an ensemble whose members wake and sleep together), ``judge`` (an LLM 
 ``infra.judge_model``), ``teacher`` (on-policy distillation's frozen teacher), ``actor`` (policy +
 optimizer), ``ref`` (frozen reference policy) and ``critic`` (value model + optimizer), and a handle on the run's store. It
 knows nothing of the stages: a stage hands it a function, ``worker.run(fn, shard, ...)`` calls
-``fn(worker, shard, ...)`` in the worker's process, and that function reads the shard's rows from the store, wakes the role
-it needs (``with worker.awake("actor") as actor:``), computes and writes its rows back. The flow
+``fn(worker, shard, ...)`` in the worker's process, and that function runs the stage's declared
+steps (``tasks.step.run_steps``): read the shard's rows from the store, wake the role each step
+needs (``worker.awake``), compute, write the rows back. The flow
 process moves only ``BatchMeta`` handles and metrics. Roles in one worker share its device and
 take turns through a ``ColocatedGroup``: a role is put back to sleep when its block ends, even
 when the compute raises. ``WorkerGroup`` (infra.group) runs workers as Ray actors in a pool.
@@ -64,7 +65,6 @@ from infra.engines.probe import (
 )
 from infra.faults import EXIT_STATUS, WorkerFault
 from infra.kernels import fuse_activations
-from storage import BatchMeta
 from storage.schema import dtype_name
 
 if TYPE_CHECKING:
@@ -447,17 +447,6 @@ class ModelWorker:
 
         with self.awake("actor") as actor, adapter_disabled(actor.module):
             yield actor.module
-
-    def read(self, meta: BatchMeta, fields: tuple[str, ...]) -> dict[str, Any]:
-        """``fields`` of ``meta.keys`` from the store, waiting up to ``store.get_timeout_s`` for
-        rows not produced yet: jagged fields as ``torch.jagged`` nested tensors, dense fields
-        as tensors, object fields as lists."""
-        return self.store.get_fields(meta, fields, timeout=self.cfg.store.get_timeout_s)
-
-    def write(self, meta: BatchMeta, fields: dict[str, Any]) -> None:
-        """Put ``fields`` (nested tensors or lists of 1-D rows, dense tensors, lists) for ``meta.keys``."""
-        if meta.keys:
-            self.store.kv_batch_put(list(meta.keys), meta.partition_id, fields)
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """The actor's weights, whole, under the plain model's names (LoRA merged in): what a

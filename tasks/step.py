@@ -188,7 +188,8 @@ def read_shard(worker: ModelWorker, meta: BatchMeta, names: Sequence[str]) -> Sh
 def write_shard(worker: ModelWorker, meta: BatchMeta, shard: Shard, names: Sequence[str]) -> None:
     """Put the shard's ``names`` for ``meta``'s keys (all at once, as one put)."""
     if meta.keys and names:
-        worker.write(meta, {name: shard.value(name) for name in names})
+        values = {name: shard.value(name) for name in names}
+        worker.store.kv_batch_put(list(meta.keys), meta.partition_id, values)
 
 
 # The model awake while a step computes, as its compute function gets it: the rollout engine

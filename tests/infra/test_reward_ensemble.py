@@ -209,7 +209,7 @@ def test_score_rows_on_a_worker_writes_the_penalised_ensemble_score(
         torch.testing.assert_close(torch.tensor(out.rm_mean), mean)
         torch.testing.assert_close(torch.tensor(out.rm_std), std)
         torch.testing.assert_close(torch.tensor(out.rm), mean - 0.5 * std)
-        stored = rows(worker.read(meta, ("rm_scores",))["rm_scores"])
+        stored = rows(worker.store.get_fields(meta, ["rm_scores"], timeout=0)["rm_scores"])
         last = torch.stack([row[-1] for row in stored])  # the score sits on the last token
         torch.testing.assert_close(last, mean - 0.5 * std)
     finally:

@@ -58,8 +58,8 @@ class _Engine:
 
 
 class _GenerateWorker:
-    """What ``generate_rows`` uses of a ``ModelWorker``: its config, version, store and writes,
-    and the rollout engine."""
+    """What ``generate_rows`` uses of a ``ModelWorker``: its config, version and store, and the
+    rollout engine."""
 
     def __init__(self) -> None:
         self.cfg, self.version, self.engine = load_config(None, []), 0, _Engine()
@@ -69,9 +69,6 @@ class _GenerateWorker:
     def awake(self, role: str) -> Iterator[_Engine]:
         assert role == "rollout"
         yield self.engine
-
-    def write(self, meta: BatchMeta, values: dict[str, Any]) -> None:
-        self.store.kv_batch_put(list(meta.keys), meta.partition_id, values)
 
 
 def test_single_turn_generate_makes_one_call_and_writes_no_agent_field(monkeypatch) -> None:

@@ -26,15 +26,12 @@ LENGTHS = (3, 2, 4)
 
 class StoreWorker:
     """What ``read_shard`` and ``run_steps`` use of a ``ModelWorker``: its store and config, its
-    writes, its ``once`` and one model per role."""
+    ``once`` and one model per role."""
 
     def __init__(self) -> None:
         self.store, self.cfg, self.applied = open_store("memory://"), load_config(None, []), {}
         self.woken: list[str] = []
         self.module: torch.nn.Module = torch.nn.Identity()  # every role's
-
-    def write(self, meta: BatchMeta, fields: dict[str, Any]) -> None:
-        self.store.kv_batch_put(list(meta.keys), meta.partition_id, fields)
 
     def once(self, name: str, apply: Any) -> Any:
         if name not in self.applied:
