@@ -3,14 +3,15 @@
 A ``ModelWorker`` owns some of the roles ``rollout`` (generation engine), ``reward`` (reward
 model, or an ensemble whose members wake and sleep together), ``judge`` (an LLM judge,
 ``infra.judge_model``), ``teacher`` (on-policy distillation's frozen teacher), ``actor`` (policy +
-optimizer), ``ref`` (frozen reference policy) and ``critic`` (value model + optimizer), and a handle on the run's store. It
-knows nothing of the stages: a stage hands it a function, ``worker.run(fn, shard, ...)`` calls
-``fn(worker, shard, ...)`` in the worker's process, and that function runs the stage's declared
-steps (``tasks.step.run_steps``): read the shard's rows from the store, wake the role each step
-needs (``worker.awake``), compute, write the rows back. The flow
-process moves only ``BatchMeta`` handles and metrics. Roles in one worker share its device and
-take turns through a ``ColocatedGroup``: a role is put back to sleep when its block ends, even
-when the compute raises. ``WorkerGroup`` (infra.group) runs workers as Ray actors in a pool.
+optimizer), ``ref`` (frozen reference policy) and ``critic`` (value model + optimizer), and a
+handle on the run's store. It knows nothing of the stages: a stage hands it a function,
+``worker.run(fn, shard, ...)`` calls ``fn(worker, shard, ...)`` in the worker's process, and
+that function runs the stage's declared steps (``tasks.step.run_steps``): read the shard's rows
+from the store, wake the role each step needs (``worker.awake``), compute, write the rows
+back. The flow process moves only ``BatchMeta`` handles and metrics. Roles in one worker share
+its device and take turns through a ``ColocatedGroup``: a role is put back to sleep when its
+block ends, even when the compute raises. ``WorkerGroup`` (infra.group) runs workers as Ray
+actors in a pool.
 
 A worker's Ray actor runs one call at a time, so two callers (``separate_async``: the producer's
 score and the trainer's update on one training pool) already take turns. ``awake`` also holds a

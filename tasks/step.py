@@ -9,8 +9,8 @@
   and returns;
 - dense (B,): ``group_ids``, ``scores``, ``truncated``, ``rollout_version``, ``rule_scores`` and
   the agent loop's counts;
-- objects (a list, one item per row, kept as given): ``raw_prompt``, ``ground_truth``, ``data_source``,
-  ``messages`` and ``judge_verdicts``;
+- objects (a list, one item per row, kept as given): ``raw_prompt``, ``ground_truth``,
+  ``data_source``, ``messages`` and ``judge_verdicts``;
 
 and some that no stage stores:
 

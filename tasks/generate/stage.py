@@ -4,8 +4,9 @@ The task shards the prompts (each prompt's first sample key) over the rollout wo
 worker runs the rollout's declared step (``sampling_step``, ``tasks.step``) over its prompts'
 sample rows: it reads their ``prompt_ids`` (every sample row holds its prompt's fields), samples
 ``n`` responses per prompt with the engine awake, and writes ``response_ids``,
-``rollout_logprobs``, ``group_ids`` and ``rollout_version`` (``generate_rows``). The seed is a function of (run seed, step, shard), so a
-retried task regenerates identical rows and its puts are no-ops.
+``rollout_logprobs``, ``group_ids`` and ``rollout_version`` (``generate_rows``). The seed is a
+function of (run seed, step, shard), so a retried task regenerates identical rows and its puts
+are no-ops.
 
 Multi-turn rollouts (``rollout.tools`` or ``rollout.max_turns`` > 1) run the agent loop
 (``infra.agent_loop``) instead of one ``generate`` call, with the worker's tool pool, and also

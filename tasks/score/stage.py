@@ -257,7 +257,8 @@ def _reward_model_scores(
         named = [meta.keys[i] for i in bad]
         raise NonFiniteScoreError(
             f"reward model returned non-finite scores for {len(named)} sample(s) in "
-            f"{meta.partition_id}: {named[:8]}{' …' if len(named) > 8 else ''}; nothing was written"
+            f"{meta.partition_id}: {named[:8]}{' …' if len(named) > 8 else ''}; "
+            "nothing was written"
         )
     n = lengths(shard.need("response_ids"))  # (B,)
     out = Shard(
