@@ -43,8 +43,11 @@ def _build(root: Path, hidden: int, layers: int) -> Any:
     return build_tiny_assets(root, seed=0, policy=spec, reward=spec)
 
 
-def _iteration(worker: Any, prompts: Any, samples: Any, n: int) -> dict[str, float]:
-    """One iteration of the stages' worker-side steps through the worker's in-process store."""
+def _iteration(
+    worker: Any, prompts: Any, samples: Any, n: int, prompt_fields: dict[str, Any]
+) -> dict[str, float]:
+    """One iteration of the stages' worker-side steps through the worker's in-process store,
+    from the sample rows holding only their prompts' fields."""
     from tasks.generate.stage import generate_rows
     from tasks.io import nested, rows
     from tasks.logprobs.stage import forward_rows
@@ -52,7 +55,8 @@ def _iteration(worker: Any, prompts: Any, samples: Any, n: int) -> dict[str, flo
     from tasks.update.stage import actor_settings, critic_settings, update_rows
 
     keys, partition = list(samples.keys), samples.partition_id
-    worker.store.kv_clear(partition, [k for k in keys])
+    worker.store.kv_clear(partition, keys)
+    worker.store.kv_batch_put(keys, partition, prompt_fields)
     t0 = time.perf_counter()
     worker.run(generate_rows, prompts, n=n, seed=0, first_group=0)
     worker.run(score_rows, samples, rule=None, texts=False)
@@ -124,17 +128,13 @@ def _measure(assets: Any, *, colocated: bool, prompts_n: int, n: int) -> dict[st
     ]
     prompts = BatchMeta("gpu-check", tuple(f"p{i}/0" for i in range(prompts_n)))
     samples = sample_meta(prompts, n)
-    store.kv_batch_put(
-        list(samples.keys),
-        "gpu-check",
-        {
-            "prompt_ids": nested([p for p in ids for _ in range(n)]),
-            "raw_prompt": [m for m in messages for _ in range(n)],
-        },
-    )
-    _iteration(worker, prompts, samples, n)  # warm-up (allocator, kernels)
+    prompt_fields = {
+        "prompt_ids": nested([p for p in ids for _ in range(n)]),
+        "raw_prompt": [m for m in messages for _ in range(n)],
+    }
+    _iteration(worker, prompts, samples, n, prompt_fields)  # warm-up (allocator, kernels)
     torch.cuda.reset_peak_memory_stats()
-    timing = _iteration(worker, prompts, samples, n)
+    timing = _iteration(worker, prompts, samples, n, prompt_fields)
     peak = torch.cuda.max_memory_allocated() - base
     del worker
     store.close()

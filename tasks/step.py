@@ -15,8 +15,9 @@
 and some that no stage stores:
 
 - ``response_mask`` (jagged bool): True on the response tokens the policy sampled. It is built
-  once, where the shard is read (``shard_of``): the multi-turn ``loss_mask`` (False on
-  tool-message tokens) when the store holds one, else every response token. Every estimator,
+  once, where the shard is read (``shard_of``), and again after a step that computes the
+  responses (``response_mask``): the multi-turn ``loss_mask`` (False on tool-message tokens)
+  when the shard holds one, else every response token. Every estimator,
   penalty, loss and metric downstream takes it as it is.
 - ``rm``, ``rm_mean``, ``rm_std``, ``response_lengths`` (dense (B,)) and ``response_text``
   (objects): what the scoring steps send back to the flow for it to add up
@@ -102,7 +103,7 @@ class Shard(_Fields):
     def __setattr__(self, name: str, value: Any) -> None:
         """An object field's list is kept as it is (one ``NonTensorData`` holding it), never
         cast: tensordict would turn a list of numbers into a tensor."""
-        if isinstance(value, list):
+        if name in OBJECT_FIELDS and isinstance(value, list):
             if len(value) != self.batch_size[0]:
                 raise ValueError(
                     f"the shard's {name!r} has {len(value)} items for {self.batch_size[0]} rows"
@@ -152,6 +153,9 @@ class Shard(_Fields):
 
 
 SHARD_FIELDS = frozenset(f.name for f in fields(Shard))
+OBJECT_FIELDS = frozenset(
+    {"raw_prompt", "ground_truth", "data_source", "messages", "judge_verdicts", "response_text"}
+)
 # the fields no stage stores (see the module docstring)
 UNSTORED = frozenset(
     {"response_mask", "rm", "rm_mean", "rm_std", "response_lengths", "response_text"}
@@ -168,14 +172,21 @@ def shard_of(values: Mapping[str, Any] | TensorDictBase, batch_size: int) -> Sha
             f"a shard has no field {unknown[0]!r}: a worker step reads only the fields of "
             "tasks.step.Shard"
         )
-    loss_mask = given.get("loss_mask")
-    if loss_mask is not None:
-        given["response_mask"] = loss_mask.to(torch.bool)
-    elif "response_ids" in given:
-        ids = given["response_ids"]
-        every = torch.ones(ids.values().shape[0], dtype=torch.bool)
-        given["response_mask"] = torch.nested.nested_tensor_from_jagged(every, offsets(ids))
+    mask = response_mask(given.get("loss_mask"), given.get("response_ids"))
+    if mask is not None:
+        given["response_mask"] = mask
     return Shard(**given, batch_size=[batch_size])
+
+
+def response_mask(loss_mask: Tensor | None, response_ids: Tensor | None) -> Tensor | None:
+    """The multi-turn ``loss_mask`` as bool, else True on every response token (None without
+    either field)."""
+    if loss_mask is not None:
+        return loss_mask.to(torch.bool)
+    if response_ids is None:
+        return None
+    every = torch.ones(response_ids.values().shape[0], dtype=torch.bool)
+    return torch.nested.nested_tensor_from_jagged(every, offsets(response_ids))
 
 
 def read_shard(worker: ModelWorker, meta: BatchMeta, names: Sequence[str]) -> Shard:
@@ -249,11 +260,13 @@ def _unique(names: Iterable[str]) -> tuple[str, ...]:
 
 def store_reads(steps: Sequence[WorkerStep]) -> tuple[str, ...]:
     """The fields a sequence of steps reads from the store: each step's reads that no earlier
-    step of the sequence computes."""
+    step of the sequence computes. ``response_mask`` is built, not stored: a step that reads it
+    reads ``response_ids`` (and ``loss_mask``, when it declares it)."""
     computed: set[str] = set()
     reads: list[str] = []
     for step in steps:
-        reads += [name for name in step.reads if name not in computed]
+        wanted = ("response_ids" if name == "response_mask" else name for name in step.reads)
+        reads += [name for name in wanted if name not in computed]
         computed.update(step.writes, step.returns)
     return _unique(reads)
 
@@ -274,8 +287,11 @@ def run_steps(
         for step in steps:
             with _awake(worker, step.awake) as model:
                 out, produced = step.compute(worker, model, shard)
-            for name in step.writes + step.returns:
+            computed = step.writes + step.returns
+            for name in computed:
                 setattr(shard, name, out.value(name))
+            if {"loss_mask", "response_ids"} & set(computed):  # e.g. a rollout's
+                shard.response_mask = response_mask(shard.loss_mask, shard.response_ids)
             metrics.update(produced)
         write_shard(worker, meta, shard, _unique(f for step in steps for f in step.writes))
         returned = Shard(batch_size=shard.batch_size)

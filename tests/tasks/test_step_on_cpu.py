@@ -197,6 +197,34 @@ def test_a_step_reads_what_an_earlier_one_returned_from_the_shard_not_the_store(
     assert "advantages" not in worker.store.kv_list(PARTITION)[KEYS[0]]
 
 
+def _rollout(worker: Any, module: Any, shard: Shard) -> tuple[Shard, Metrics]:
+    """Responses of 2, 1 and 3 tokens whose last token is a tool's, as a multi-turn rollout's."""
+    out = Shard(batch_size=shard.batch_size)
+    out.response_ids = nested([torch.arange(n) for n in (2, 1, 3)])
+    out.loss_mask = nested([torch.arange(n) < n - 1 for n in (2, 1, 3)])
+    return out, {}
+
+
+def _sampled_tokens(worker: Any, module: Any, shard: Shard) -> tuple[Shard, Metrics]:
+    return Shard(batch_size=shard.batch_size), {
+        "sampled": float(shard.need("response_mask").values().sum())
+    }
+
+
+def test_a_step_after_one_that_computes_the_responses_gets_their_response_mask() -> None:
+    from tasks.step import store_reads
+
+    worker, meta = _filled(loss_mask=False)  # the stored responses have 3, 2 and 4 tokens
+    steps = (
+        WorkerStep("rollout", ("prompt_ids",), None, _rollout, (), ("response_ids", "loss_mask")),
+        WorkerStep("count", ("response_mask",), None, _sampled_tokens, ()),
+    )
+    assert store_reads(steps) == ("prompt_ids",)
+    assert run_steps(worker, meta, steps).metrics == {"sampled": 1.0 + 0.0 + 2.0}  # type: ignore[arg-type]
+    assert store_reads(steps[1:]) == ("response_ids",)  # alone, it reads the stored responses
+    assert run_steps(worker, meta, steps[1:]).metrics == {"sampled": 3.0 + 2.0 + 4.0}  # type: ignore[arg-type]
+
+
 def test_every_shard_field_and_every_declared_read_or_write_is_a_store_field() -> None:
     """The shard speaks the store's vocabulary (aside from the fields no stage stores), and so
     does every declared step, for every plan the presets make."""
