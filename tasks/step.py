@@ -47,14 +47,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
 from tensordict import NonTensorData, TensorClass, TensorDictBase
 from torch import Tensor
 
 from infra.workers import ModelWorker
-from storage import BatchMeta
+from storage import VOCABULARY, BatchMeta
 from tasks.batching import PackedBatch, pack_batch
 from tasks.context import Metrics
 from tasks.io import offsets, padded, rows
@@ -153,13 +153,13 @@ class Shard(_Fields):
 
 
 SHARD_FIELDS = frozenset(f.name for f in fields(Shard))
+# the fields declared as lists (one item per row)
 OBJECT_FIELDS = frozenset(
-    {"raw_prompt", "ground_truth", "data_source", "messages", "judge_verdicts", "response_text"}
+    name
+    for name, hint in get_type_hints(Shard).items()
+    if list in {get_origin(arm) for arm in get_args(hint)}
 )
-# the fields no stage stores (see the module docstring)
-UNSTORED = frozenset(
-    {"response_mask", "rm", "rm_mean", "rm_std", "response_lengths", "response_text"}
-)
+UNSTORED = SHARD_FIELDS - set(VOCABULARY)  # the fields no stage stores (see the docstring)
 
 
 def shard_of(values: Mapping[str, Any] | TensorDictBase, batch_size: int) -> Shard:
@@ -240,18 +240,12 @@ def _awake(worker: ModelWorker, awake: Awake) -> Iterator[Any]:
     elif awake == "reference":
         with worker.reference() as module:
             yield module
-    elif awake == "rollout":
-        with worker.awake("rollout") as engine:
-            yield engine
-    elif awake == "reward":
-        with worker.awake("reward") as scorer:
-            yield scorer
-    elif awake == "judge":
-        with worker.awake("judge") as judge:
-            yield judge
-    else:
+    elif awake in ("actor", "critic", "teacher"):
         with worker.awake(awake) as model:
             yield model.module
+    else:  # the rollout engine, the reward scorer or the judge, as they are
+        with worker.awake(awake) as model:
+            yield model
 
 
 def _unique(names: Iterable[str]) -> tuple[str, ...]:

@@ -243,6 +243,8 @@ def test_every_shard_field_and_every_declared_read_or_write_is_a_store_field() -
     fields = {f.name for f in dataclass_fields(Shard)}
     assert len(fields) == 31 and fields - UNSTORED <= set(VOCABULARY)
     assert fields >= UNSTORED and not UNSTORED & set(VOCABULARY)
+    unstored = {"response_mask", "rm", "rm_mean", "rm_std", "response_lengths", "response_text"}
+    assert unstored == UNSTORED  # the six no stage stores, and no misspelt store field
     presets = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
     assert presets
     for preset in presets:
