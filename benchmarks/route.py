@@ -187,6 +187,7 @@ def main() -> None:
     parser.add_argument("--repo", type=Path, default=here, help="the checkout to measure")
     parser.add_argument("--output", type=Path, default=None, help="JSON file to write")
     args = parser.parse_args()
+    output = None if args.output is None else args.output.resolve()  # before run() changes folder
     for name in ("PREFECT_SERVER_ANALYTICS_ENABLED", "DO_NOT_TRACK", "RAY_AUTH_MODE"):
         os.environ.setdefault(name, {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}.get(name, "1"))
     os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -204,8 +205,8 @@ def main() -> None:
         )
     print("files, in the order first opened:", ", ".join(result["files"]))
     print("the step's files:", ", ".join(result["one_step"]["files"]))
-    if args.output is not None:
-        args.output.write_text(json.dumps(result, indent=1) + "\n")
+    if output is not None:
+        output.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
